@@ -1,0 +1,1 @@
+"""Data-movement kernels and their pure-torch references."""

@@ -1,0 +1,1 @@
+"""The SGLang plugin (thin layer over the core)."""

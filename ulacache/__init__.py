@@ -1,0 +1,1 @@
+"""ulacache: unified logical KV address space for sparse-attention serving."""
