@@ -239,8 +239,12 @@ class SelectionGroup:
         cslot = torch.where(ok, phys - self.G, -1)
         owner = self.gpu_owner[torch.where(ok, victim, self.G)]
         owned = ok & (owner >= 0)
-        # 1. data: promoted row -> victim GPU slot, victim row -> vacated CPU slot
-        swap_rows(self.pools.gpu, victim, self.pools.cpu, cslot)
+        # 1. data: promoted row -> victim GPU slot, victim row -> vacated CPU slot; a single
+        #    copy when the victim slot was free
+        swap_rows(self.pools.gpu, torch.where(owned, victim, -1), self.pools.cpu,
+                  torch.where(owned, cslot, -1))
+        gather_rows(self.pools.cpu, torch.where(owned, -1, cslot), self.pools.gpu,
+                    torch.where(owned, -1, victim))
         # 2. mapping
         self.loc.index_put_((torch.where(ok, flat, self.n_logical),), torch.where(ok, victim, -1))
         self.loc.index_put_((torch.where(owned, owner, self.n_logical),),
