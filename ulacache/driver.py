@@ -1,0 +1,152 @@
+"""Decode driver: the reference DSA-MLA model with ulacache managing all latent KV, checked
+step by step against a fully resident run of the same model.
+
+:class:`UlaCacheStore` adapts :class:`~ulacache.cache.UlaCache` to the model's
+:class:`~ulacache.refmodel.LatentStore` protocol the way the SGLang seams use it:
+
+- a step (``begin_step``) is one scheduling round (PB-LRU advances);
+- the first write of a new position allocates its logical address and GPU slot (``extend``),
+  spilling PB-LRU victims to the CPU tier when the GPU pool is full;
+- the group's first layer turns top-k positions into addresses and runs the sparse access
+  (promotions and swaps); the other layers of the group reuse that plan and only read their own
+  rows from the GPU pool at the returned physical rows.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import UlaCache
+from .config import UlaCacheConfig
+from .errors import ShapeError
+from .refmodel import DecodeOutput, DSAMLAModel, ModelGeometry, ResidentStore
+
+logger = logging.getLogger(__name__)
+
+
+class UlaCacheStore:
+    """A :class:`~ulacache.refmodel.LatentStore` whose rows live in a :class:`UlaCache`."""
+
+    def __init__(self, cache: UlaCache):
+        self.cache = cache
+        self._plan: dict[int, torch.Tensor] = {}  # group -> int32 [n, k] rows of this step
+        self.steps = 0
+
+    def begin_step(self) -> None:
+        self.cache.begin_round()
+        self._plan.clear()
+        self.steps += 1
+
+    def write(self, layer: int, req: int, positions: torch.Tensor, rows: torch.Tensor) -> None:
+        """Rows of ``req`` at ``positions`` (int64 ``[n]``): new positions must append."""
+        c = self.cache
+        if req not in c.requests:
+            c.admit(req, 0)  # the reservation grows with extend while capacity is free
+        have = c.requests[req].n_tokens
+        pos = positions.to(torch.int64)
+        new = int((pos >= have).sum())
+        if new:
+            expect = torch.arange(have, have + new)
+            if not torch.equal(pos[pos >= have].sort().values, expect):
+                raise ShapeError(f"request {req}: new positions must append at {have}")
+            c.extend(req, new)
+        c.write(c.addresses(req, pos), layer, rows)
+
+    def read_selected(self, layer: int, reqs: torch.Tensor, topk: torch.Tensor) -> torch.Tensor:
+        """``uint8 [n, k, row_bytes]`` rows at top-k positions (zeros at ``-1`` padding)."""
+        c = self.cache
+        gi = c.layer_to_group[layer]
+        group = c.groups[gi]
+        if layer == group.layers[0] or gi not in self._plan:
+            addrs = torch.full_like(topk, -1, dtype=torch.int64)
+            for r in reqs.unique().tolist():
+                m = reqs == r
+                addrs[m] = c.addresses(r, topk[m].reshape(-1)).view(-1, topk.shape[1])
+            self._plan[gi] = c.access(gi, addrs)
+        rows = self._plan[gi]
+        if rows.shape != topk.shape:
+            raise ShapeError(f"layer {layer} reads {tuple(topk.shape)}, its group's plan is "
+                             f"{tuple(rows.shape)}")
+        got = c.gpu_rows(layer)[rows.clamp(min=0).long()]
+        return torch.where((rows >= 0).unsqueeze(-1), got, torch.zeros_like(got))
+
+    def free(self, req: int) -> None:
+        self.cache.free(req)
+
+
+@dataclass
+class EqualityReport:
+    """Outcome of :func:`run_equality`; ``mismatches`` lists (step, what) that differed."""
+
+    steps: int = 0
+    requests: int = 0
+    live_history: int = 0
+    gpu_slots: int = 0
+    promotions_per_step: list[int] = field(default_factory=list)
+    spills_per_step: list[int] = field(default_factory=list)
+    mismatches: list[tuple[int, str]] = field(default_factory=list)
+    hit_rate: float = 0.0
+
+    @property
+    def identical(self) -> bool:
+        return not self.mismatches
+
+
+def _compare(step: int, a: DecodeOutput, b: DecodeOutput, out: list[tuple[int, str]]) -> None:
+    for name in ("logits", "attn_out", "topk"):
+        if not torch.equal(getattr(a, name), getattr(b, name)):
+            out.append((step, name))
+    if not torch.equal(a.logits.argmax(-1), b.logits.argmax(-1)):
+        out.append((step, "chosen tokens"))
+
+
+def run_equality(geom: ModelGeometry, config: UlaCacheConfig, prompt_lens: list[int],
+                 n_steps: int, seed: int = 0) -> EqualityReport:
+    """Prefill ``len(prompt_lens)`` requests, decode ``n_steps`` greedy steps as one batch, with
+    ulacache and fully resident; compare attention outputs, logits, top-k and chosen tokens.
+
+    Tokens are chosen by the resident run (greedy) and fed to both, so a divergence is reported
+    at the step where it happens instead of cascading.
+    """
+    if config.row_layout.row_bytes != geom.row_bytes or config.n_layers != geom.n_layers:
+        raise ShapeError("config rows/layers must match the model geometry")
+    gen = torch.Generator().manual_seed(seed)
+    ref_model, ula_model = DSAMLAModel(geom, seed), DSAMLAModel(geom, seed)
+    ref_store, ula_store = ResidentStore(geom.row_bytes), UlaCacheStore(UlaCache(config))
+    report = EqualityReport(requests=len(prompt_lens), gpu_slots=config.gpu_slots)
+    reqs = list(range(len(prompt_lens)))
+    tokens = []
+    for r, n in zip(reqs, prompt_lens):
+        prompt = torch.randint(0, geom.vocab, (n,), generator=gen)
+        a = ref_model.prefill(r, prompt, ref_store)
+        b = ula_model.prefill(r, prompt, ula_store)
+        if not torch.equal(a, b):
+            report.mismatches.append((-1, f"prefill logits of request {r}"))
+        tokens.append(int(a.argmax()))
+    cache = ula_store.cache
+    for step in range(n_steps):
+        before = cache.stats()
+        tok = torch.tensor(tokens)
+        a = ref_model.decode_step(reqs, tok, ref_store)
+        b = ula_model.decode_step(reqs, tok, ula_store)
+        _compare(step, a, b, report.mismatches)
+        after = cache.stats()
+        report.promotions_per_step.append(sum(after[k] - before[k] for k in after
+                                              if k.endswith("_promotions")))
+        report.spills_per_step.append(sum(after[k] - before[k] for k in after
+                                          if k.endswith("_spills")))
+        tokens = a.logits.argmax(-1).tolist()
+        cache.check_integrity()
+    report.steps = n_steps
+    report.live_history = sum(r.n_tokens for r in cache.requests.values())
+    st = cache.stats()
+    acc = sum(v for k, v in st.items() if k.endswith("_accesses"))
+    report.hit_rate = sum(v for k, v in st.items() if k.endswith("_gpu_hits")) / max(1, acc)
+    logger.info("equality run: %d requests, %d steps, live history %d rows vs %d GPU slots, "
+                "%d promotions, %d spills, mismatches %d", report.requests, n_steps,
+                report.live_history, config.gpu_slots, sum(report.promotions_per_step),
+                sum(report.spills_per_step), len(report.mismatches))
+    return report
