@@ -27,9 +27,9 @@ Timing: CUDA events around ``--inner`` back-to-back launches queued behind a ``_
     {"h2d_copy_gbps": float, "d2d_copy_gbps": float,
      "rows": [{"kernel": str, "row_bytes": int, "rows": int, "gbps": float, "ratio": float}]}
 
-The readable table, and with ``--sweep`` every rows-per-warp variant plus the unsorted host
-gather and torch's own index_select/index_copy, go to the log (stderr). Without CUDA or a kernel
-backend the script exits with code 2.
+The readable table, and with ``--sweep`` every rows-per-warp variant, the other gather load
+flavour (``nc``), the unsorted host gather and torch's index_select go to the log (stderr).
+Without CUDA or a kernel backend the script exits with code 2.
 """
 
 from __future__ import annotations
@@ -132,23 +132,23 @@ class Bench:
         dst_idx = torch.randperm(dst.shape[1] - 1, device=dev, generator=gen)[:rows]
         s_sorted, d_sorted = self.dispatch.sort_by_source(src_idx, dst_idx)
 
-        def host_gather(rpw=None, s=s_sorted, d=d_sorted):
-            return lambda: cr.gather(host, s, dst, d, rows_per_warp=rpw)
+        def host_gather(rpw=None, nc=None, s=s_sorted, d=d_sorted):
+            return lambda: cr.gather(host, s, dst, d, rows_per_warp=rpw, nc=nc)
 
-        def device_gather(rpw=None):
-            return lambda: cr.gather(dpool, src_idx, dst, dst_idx, rows_per_warp=rpw)
+        def device_gather(rpw=None, nc=None):
+            return lambda: cr.gather(dpool, src_idx, dst, dst_idx, rows_per_warp=rpw, nc=nc)
 
         rank = torch.randint(0, PEERS, (rows,), device=dev, generator=gen)
         p_idx = torch.randint(0, per, (rows,), device=dev, generator=gen)
 
-        def peer_gather(rpw=None):
+        def peer_gather(rpw=None, nc=None):
             return lambda: cr.gather_peers(table, rank, p_idx, dst, dst_idx, src_rows=per + 1,
-                                           rows_per_warp=rpw)
+                                           rows_per_warp=rpw, nc=nc)
 
         c_idx = torch.randperm(n_src, device=dev, generator=gen)[:rows]
         c_idx, g_idx = self.dispatch.sort_by_source(c_idx, dst_idx)
 
-        def swap(rpw=None):
+        def swap(rpw=None, nc=None):
             return lambda: cr.swap(dst, g_idx, host, c_idx, rows_per_warp=rpw)
 
         cases = [("host_gather", host_gather, nbytes, self.h2d),
@@ -162,6 +162,10 @@ class Bench:
             for rpw in cr.ROWS_CHOICES:
                 self.note(name, row_bytes, rows, f"rpw={rpw}", nb,
                           timed_ms(make(rpw), reps, inner), ceiling)
+            if name != "swap":
+                nc = not cr.GATHER_NC_DEFAULT
+                self.note(name, row_bytes, rows, f"nc={int(nc)}", nb,
+                          timed_ms(make(None, nc), reps, inner), ceiling)
         if self.sweep_on:
             ms = timed_ms(host_gather(s=src_idx, d=dst_idx), reps, inner)
             self.note("host_gather", row_bytes, rows, "unsorted", nbytes, ms, self.h2d)

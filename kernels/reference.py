@@ -37,6 +37,13 @@ def _valid_pairs(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.
     return masked_index(torch.where(keep, a, -1), -1), masked_index(torch.where(keep, b, -1), -1)
 
 
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # Asynchronous only towards CUDA (stream-ordered with the consumer). A non-blocking copy to
+    # the CPU would return before the data lands, and the CPU-side index_copy_ that follows is
+    # not stream-ordered: it would read garbage.
+    return t.to(device, non_blocking=device.type == "cuda")
+
+
 def gather_rows(
     src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor
 ) -> None:
@@ -54,7 +61,7 @@ def gather_rows(
         s = torch.where(s >= 0, s, src.shape[1] - 1)
         d = torch.where(d >= 0, d, dst.shape[1] - 1)
     rows = src.index_select(1, s.to(src.device))
-    dst.index_copy_(1, d.to(dst.device), rows.to(dst.device, non_blocking=True))
+    dst.index_copy_(1, d.to(dst.device), _to(rows, dst.device))
 
 
 def swap_rows(
@@ -72,8 +79,8 @@ def swap_rows(
         g = torch.where(g >= 0, g, gpu.shape[1] - 1)
         c = torch.where(c >= 0, c, cpu.shape[1] - 1)
     g_dev, c_dev = g.to(gpu.device), c.to(cpu.device)
-    promoted = cpu.index_select(1, c_dev).to(gpu.device, non_blocking=True)
-    victims = gpu.index_select(1, g_dev).to(cpu.device, non_blocking=True)
+    promoted = _to(cpu.index_select(1, c_dev), gpu.device)
+    victims = _to(gpu.index_select(1, g_dev), cpu.device)
     gpu.index_copy_(1, g_dev, promoted)
     cpu.index_copy_(1, c_dev, victims)
 

@@ -9,8 +9,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ulacache.address import PageAllocator, addresses_of, local_position, owner_rank
 from ulacache.cache import UlaCache
 from ulacache.config import UlaCacheConfig
-from ulacache.errors import (AddressError, CapacityExhausted, ConfigError, DoubleFreeError,
-                             ShapeError, UnknownRequest)
+from ulacache.errors import (
+    AddressError,
+    CapacityExhausted,
+    ConfigError,
+    DoubleFreeError,
+    ShapeError,
+    UnknownRequest,
+)
 from ulacache.layout import RowLayout
 
 from .helpers import assert_same, row_bytes_for, snapshot

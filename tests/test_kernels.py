@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
 import ulacache.kernels.pinned as pinned
-from ulacache.errors import ShapeError
 from ulacache.kernels import cuda_rows, dispatch, peer_reference, reference
+
+from ulacache.errors import ShapeError
 
 HAS_CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
@@ -167,13 +167,14 @@ def test_sort_by_source_keeps_pairs():
     s, d = rand_pairs(100, 1000, 500, 0.1, g)
     s2, d2 = dispatch.sort_by_source(s, d)
     assert torch.all(s2[1:] >= s2[:-1])
-    assert sorted(zip(s.tolist(), d.tolist())) == sorted(zip(s2.tolist(), d2.tolist()))
+    pairs = sorted(zip(s.tolist(), d.tolist(), strict=True))
+    assert pairs == sorted(zip(s2.tolist(), d2.tolist(), strict=True))
     rank = torch.randint(0, 3, (100,), generator=g)
     r3, s3, d3 = dispatch.sort_by_source(s, d, rank)
     key = r3 * (1 << 40) + s3
     assert torch.all(key[1:] >= key[:-1])
-    assert sorted(zip(rank.tolist(), s.tolist(), d.tolist())) == sorted(
-        zip(r3.tolist(), s3.tolist(), d3.tolist()))
+    triples = sorted(zip(rank.tolist(), s.tolist(), d.tolist(), strict=True))
+    assert triples == sorted(zip(r3.tolist(), s3.tolist(), d3.tolist(), strict=True))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,7 +231,7 @@ def test_launcher_checks(fake_device):
     idx = torch.zeros(4, dtype=torch.int64)
     cuda_rows.gather(pool, idx, other, idx)
     assert len(fake_device) == 1
-    name, rows, vpl, _dev, threads, sig, args = fake_device[0]
+    name, rows, vpl, _dev, threads, sig, args, *_ = fake_device[0]
     assert (name, vpl, threads) == ("ula_gather", 2, 8 * 32) and len(sig) == len(args)
     bad = [
         (pool.float(), idx, other, idx, "uint8"),
@@ -240,9 +241,9 @@ def test_launcher_checks(fake_device):
         (pool, idx[::2], other, idx[:2], "contiguous"),
         (pool, idx, pool[:, :4], idx, "share storage"),
         (pool, idx, torch.zeros(3, 9, 656, dtype=torch.uint8), idx, "differ"),
-        (pool.transpose(1, 2), idx, other, idx, "uint8 [L"),
+        (pool.transpose(1, 2), idx, other, idx, "multiple of 16"),
         (torch.zeros(2, 9, 672, dtype=torch.uint8)[:, :, 8:664], idx, other, idx, "aligned"),
-        (torch.zeros(2, 9, 1312, dtype=torch.uint8)[:, :, :656:2], idx, other, idx, "stride"),
+        (torch.zeros(2, 9, 1312, dtype=torch.uint8)[:, :, ::2], idx, other, idx, "stride"),
     ]
     for s, si, d, di, msg in bad:
         with pytest.raises(ShapeError, match=msg):
@@ -308,13 +309,13 @@ static void ula_run(void (*k)(A...), int grid, int block, const uint64_t* s,
 ARG_COUNTS = {"ula_gather": 11, "ula_gather_peer": 12, "ula_swap": 11}
 ARG_COUNTS.update({n: 5 for n in cuda_rows.KERNEL_NAMES if n.startswith("ula_translate")})
 
-_EMU_CACHE: dict[tuple[int, int], ctypes.CDLL] = {}
+_EMU_CACHE: dict[tuple[int, int, bool], ctypes.CDLL] = {}
 
 
-def _emu_lib(rows: int, vpl: int, tmp: Path) -> ctypes.CDLL:
-    if (rows, vpl) in _EMU_CACHE:
-        return _EMU_CACHE[(rows, vpl)]
-    src = SHIM + cuda_rows.module_source(rows, vpl) + DRIVER
+def _emu_lib(rows: int, vpl: int, nc: bool, tmp: Path) -> ctypes.CDLL:
+    if (rows, vpl, nc) in _EMU_CACHE:
+        return _EMU_CACHE[(rows, vpl, nc)]
+    src = SHIM + cuda_rows.module_source(rows, vpl, nc) + DRIVER
     src += "".join(f"#define ARGS_{n} {c}\nEMU({n})\n" for n, c in ARG_COUNTS.items())
     tag = hashlib.sha1(src.encode()).hexdigest()[:12]
     cpp, so = tmp / f"emu_{tag}.cpp", tmp / f"emu_{tag}.so"
@@ -323,7 +324,7 @@ def _emu_lib(rows: int, vpl: int, tmp: Path) -> ctypes.CDLL:
                     "-Wno-unknown-pragmas", "-o", str(so), str(cpp)], check=True,
                    capture_output=True, text=True)
     lib = ctypes.CDLL(str(so))
-    _EMU_CACHE[(rows, vpl)] = lib
+    _EMU_CACHE[(rows, vpl, nc)] = lib
     return lib
 
 
@@ -334,8 +335,8 @@ def emulated(monkeypatch, tmp_path_factory):
     tmp = tmp_path_factory.getbasetemp()
     used = []
 
-    def launch(name, rows, vpl, device, n_threads, sig, args):
-        lib = _emu_lib(rows, vpl, tmp)
+    def launch(name, rows, vpl, device, n_threads, sig, args, nc=False):
+        lib = _emu_lib(rows, vpl, nc, tmp)
         grid = max(1, -(-n_threads // cuda_rows.THREADS))
         slots = (ctypes.c_uint64 * len(args))(*[int(a) & (2**64 - 1) for a in args])
         assert len(sig) == len(args) == ARG_COUNTS[name]
@@ -352,13 +353,14 @@ def emulated(monkeypatch, tmp_path_factory):
 @pytest.mark.parametrize("row_bytes", [16, 656, 1152, 2064])
 @pytest.mark.parametrize("layers", [1, 3])
 @pytest.mark.parametrize("rows_per_warp", [None, 1, 2, 8])
-def test_emulated_gather(emulated, row_bytes, layers, rows_per_warp):
+@pytest.mark.parametrize("nc", [False, True])
+def test_emulated_gather(emulated, row_bytes, layers, rows_per_warp, nc):
     g = torch.Generator().manual_seed(row_bytes + layers)
     src = rand_pool(layers, 300, row_bytes, gen=g)
     dst = rand_pool(layers, 200, row_bytes, gen=g)[:, :, :]  # distinct storage
     s, d = rand_pairs(77, 300, 200, 0.15, g)
     want = loop_gather(src, s, dst, d)
-    cuda_rows.gather(src, s, dst, d, rows_per_warp=rows_per_warp)
+    cuda_rows.gather(src, s, dst, d, rows_per_warp=rows_per_warp, nc=nc)
     assert torch.equal(dst, want)
     assert emulated[-1][0] == "ula_gather"
 
@@ -420,10 +422,11 @@ def test_emulated_translate(emulated, adt, mdt):
 # the CUDA source through nvcc (syntax, registers, spills), when nvcc is installed
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
-@pytest.mark.parametrize("rows,vpl", [(1, 1), (8, 2), (8, 3), (4, 4)])
-def test_cuda_source_compiles_without_spills(tmp_path, rows, vpl):
+@pytest.mark.parametrize("rows,vpl,nc", [(1, 1, False), (8, 2, True), (8, 3, False),
+                                         (4, 4, False)])
+def test_cuda_source_compiles_without_spills(tmp_path, rows, vpl, nc):
     cu = tmp_path / "k.cu"
-    cu.write_text(cuda_rows.module_source(rows, vpl))
+    cu.write_text(cuda_rows.module_source(rows, vpl, nc))
     r = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-cubin", "-Xptxas", "-v",
                         "-o", str(tmp_path / "k.cubin"), str(cu)],
                        capture_output=True, text=True)

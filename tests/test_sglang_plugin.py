@@ -23,8 +23,6 @@ import pytest
 pytest.importorskip("sglang")
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # noqa: E402
-
-from ulacache.errors import ConfigError  # noqa: E402
 from ulacache.patches import plugin  # noqa: E402
 from ulacache.patches import server_args as ula_args  # noqa: E402
 from ulacache.patches.verify import (  # noqa: E402
@@ -32,6 +30,8 @@ from ulacache.patches.verify import (  # noqa: E402
     HookVerificationError,
     verify_hooks,
 )
+
+from ulacache.errors import ConfigError  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 
@@ -358,14 +358,14 @@ def test_validate_rejects_non_dsa_model():
 
 def test_validate_rejects_hybrid_dsa_model():
     with pytest.raises(ConfigError, match="does not support Glm5Next"):
-        ula_args.validate_hisparse_around(
-            lambda v: None, _view("Glm5NextForConditionalGeneration")
-        )
+        ula_args.validate_hisparse_around(lambda v: None, _view("Glm5NextForConditionalGeneration"))
 
 
 def test_validate_rewrites_hisparse_assertions():
     def stock(view):
-        raise AssertionError("Hierarchical sparse attention currently requires --disable-radix-cache.")
+        raise AssertionError(
+            "Hierarchical sparse attention currently requires --disable-radix-cache."
+        )
 
     with pytest.raises(ConfigError, match="ulacache.*--disable-radix-cache.*Legal combination"):
         ula_args.validate_hisparse_around(stock, _view("DeepseekV32ForCausalLM"))
@@ -401,8 +401,16 @@ def test_non_dsa_model_rejected_by_real_resolution(registered, tmp_path):
     from sglang.srt.server_args import prepare_server_args
 
     args = prepare_server_args(
-        ["--model-path", str(tmp_path), "--device", "cpu", "--skip-tokenizer-init",
-         "--kv-backend", "ulacache", "--disable-radix-cache"]
+        [
+            "--model-path",
+            str(tmp_path),
+            "--device",
+            "cpu",
+            "--skip-tokenizer-init",
+            "--kv-backend",
+            "ulacache",
+            "--disable-radix-cache",
+        ]
     )
     args.resolve_once()
     with pytest.raises(ConfigError, match="needs a DSA .* got LlamaForCausalLM"):

@@ -49,7 +49,7 @@ class UlaCacheConfig:
         need(self.mode == "tp" or self.tp_size == 1,
              f"mode 'dp' takes tp_size 1 (got {self.tp_size}); use mode 'tp' to stripe ranks")
         need(self.mode == "dp", "mode 'tp' is not implemented in this release; legal: 'dp'")
-        self.row_layout  # validates layout / row_bytes
+        _ = self.row_layout  # validates layout / row_bytes
         need(self.layout == "tiny" or self.row_bytes is None,
              f"row_bytes is only for layout 'tiny'; layout {self.layout!r} fixes it")
         need(self.n_layers >= 1, "n_layers must be >= 1")

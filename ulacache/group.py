@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import torch
 
-from ulacache.kernels.reference import gather_rows, swap_rows
+from ulacache.kernels.dispatch import gather_rows, swap_rows
 
 from .errors import AddressError, CapacityExhausted, ShapeError
 from .pblru import ReplacementPolicy, make_policy
 from .pools import TierPools
 
 # Counter slots of SelectionGroup.counters (device int64, read out of the decode path).
-COUNTERS = ("accesses", "gpu_hits", "promotions", "spills", "placed", "overflow")
+COUNTERS = ("accesses", "gpu_hits", "promotions", "writebacks", "spills", "placed", "overflow")
 
 
 def _capturing(device: torch.device) -> bool:
@@ -72,7 +72,9 @@ class SelectionGroup:
                              f"got {addrs.dtype} on {addrs.device}")
 
     def _mark_done(self) -> None:
-        if self.done_event is not None:
+        # Readers on other streams wait on this event. Inside a captured graph the stream order
+        # of the replay already orders readers after the copies, so no event is recorded there.
+        if self.done_event is not None and not _capturing(self.device):
             self.done_event.record()
 
     def counter_values(self) -> dict[str, int]:
@@ -259,6 +261,7 @@ class SelectionGroup:
         self._count("accesses", first.sum())
         self._count("gpu_hits", hit.sum())
         self._count("promotions", ok.sum())
+        self._count("writebacks", owned.sum())
         self._count("overflow", (miss & ~ok).sum())
 
         rows = self.loc[safe]
