@@ -272,6 +272,16 @@ def test_spawned_child_keeps_stock_classes_for_hisparse(registered):
     assert result["swaps"] == {t: t.rsplit(".", 1)[1] for t in plugin.CLASS_TARGETS}
 
 
+def test_broken_classes_module_exits_when_ulacache_selected(registered, monkeypatch):
+    def broken():
+        raise ImportError("ulacache.patches.classes has no class UlaCacheCoordinator")
+
+    monkeypatch.setattr(plugin, "register_class_swaps", broken)
+    monkeypatch.setenv(ula_args.ENV_KV_BACKEND, "ulacache")
+    with pytest.raises(SystemExit, match="is unusable"):
+        plugin.register()
+
+
 def test_missing_classes_module_warns(registered, caplog, monkeypatch):
     monkeypatch.setattr(plugin, "CLASSES_MODULE", "ulacache.patches.no_such_module")
     with caplog.at_level(logging.WARNING, logger=plugin.__name__):
@@ -415,3 +425,16 @@ def test_non_dsa_model_rejected_by_real_resolution(registered, tmp_path):
     args.resolve_once()
     with pytest.raises(ConfigError, match="needs a DSA .* got LlamaForCausalLM"):
         args.check_server_args()
+
+
+def test_replacement_classes_must_subclass_stock(monkeypatch):
+    module = types.ModuleType(plugin.CLASSES_MODULE)
+    module.__spec__ = importlib.machinery.ModuleSpec(plugin.CLASSES_MODULE, None)
+    for name in plugin.CLASS_TARGETS.values():
+        setattr(module, name, type(name, (), {}))
+    monkeypatch.setitem(sys.modules, plugin.CLASSES_MODULE, module)
+    with pytest.raises(TypeError, match="must subclass"):
+        plugin.load_replacement_classes()
+    delattr(module, next(iter(plugin.CLASS_TARGETS.values())))
+    with pytest.raises(ImportError, match="has no class"):
+        plugin.load_replacement_classes()

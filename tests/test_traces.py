@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 import importlib.util
 import json
 import os
@@ -12,7 +11,13 @@ import pytest
 
 from ulacache import traces
 
-FIXTURES = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "fixtures", "*.trace.npz")))
+FIXTURE_DIR = os.path.join(os.path.dirname(__file__), "fixtures")
+# recorded with SmolLM2, k=64 (see fixtures/README.md); the smallest first
+FIXTURES = [
+    p for p in (os.path.join(FIXTURE_DIR, n)
+                for n in ("typing-py-1024-k64.trace.npz", "gpl3-2048-k64.trace.npz"))
+    if os.path.isfile(p)
+]
 HAVE_POLICY_SIM = importlib.util.find_spec("ulacache.policy_sim") is not None
 
 
@@ -108,8 +113,10 @@ def test_recorded_fixture_is_valid_and_local(path):
 @pytest.mark.skipif(not HAVE_POLICY_SIM, reason="ulacache.policy_sim not written yet")
 def test_fixture_hit_rates():
     tr = traces.load_trace(FIXTURES[0])
-    st = traces.trace_stats(tr, pool_sizes=(256, 1024))
+    st = traces.trace_stats(tr, pool_sizes=(256, 1024), hit_layers=(0, 20))
+    assert set(st["hit_rate"]) == {"lru", "pblru"} and st["hit_layers"] == [0, 20]
     for by_size in st["hit_rate"].values():
+        assert len(by_size[256]["per_layer"]) == 2
         small, big = by_size[256]["mean"], by_size[1024]["mean"]
         assert 0.0 < small <= big <= 1.0
     assert "hit rate" in traces.format_stats(st)

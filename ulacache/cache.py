@@ -46,18 +46,32 @@ class UlaCache:
         rows = cache.access(group, topk_addrs)    # int32 [bs, k] GPU rows for attention
     """
 
-    def __init__(self, config: UlaCacheConfig, device: torch.device | str = "cpu"):
+    def __init__(self, config: UlaCacheConfig, device: torch.device | str = "cpu", *,
+                 layer_groups: list[list[int]] | None = None,
+                 gpu_storage: list[torch.Tensor] | None = None, n_logical: int | None = None):
+        """``layer_groups`` overrides the uniform ``layers_per_group`` split (e.g. GLM-5.2's
+        last, shorter group); ``gpu_storage`` gives each group an engine-owned GPU pool
+        (``uint8 [L_g, G + 1, row_bytes]``); ``n_logical`` sizes the address space when an
+        engine allocates logical addresses itself (then the page allocator here is unused)."""
         self.config = config
         self.device = torch.device(device)
         P = config.page_size
         self.pages = PageAllocator(config.n_logical_pages, P)
-        self.n_logical = config.n_logical_pages * P
+        self.n_logical = n_logical if n_logical is not None else config.n_logical_pages * P
         L = config.layers_per_group
+        layer_groups = layer_groups or [list(range(g * L, (g + 1) * L))
+                                        for g in range(config.n_groups)]
+        if sorted(x for g in layer_groups for x in g) != list(range(config.n_layers)):
+            raise ShapeError(f"layer_groups {layer_groups} must partition the "
+                             f"{config.n_layers} layers")
+        if gpu_storage is not None and len(gpu_storage) != len(layer_groups):
+            raise ShapeError("gpu_storage needs one tensor per layer group")
         self.groups = [
-            SelectionGroup(list(range(g * L, (g + 1) * L)), self.n_logical, config.gpu_slots,
-                           config.cpu_slots, config.row_layout.row_bytes, self.device,
-                           config.policy, config.n_buckets, config.validate)
-            for g in range(config.n_groups)
+            SelectionGroup(layers, self.n_logical, config.gpu_slots, config.cpu_slots,
+                           config.row_layout.row_bytes, self.device, config.policy,
+                           config.n_buckets, config.validate,
+                           None if gpu_storage is None else gpu_storage[i])
+            for i, layers in enumerate(layer_groups)
         ]
         self.layer_to_group = {layer: gi for gi, g in enumerate(self.groups) for layer in g.layers}
         self.requests: dict[Hashable, RequestState] = {}
@@ -111,8 +125,7 @@ class UlaCache:
         new_pages = -(-(req.n_tokens + n) // P) - len(req.pages)
         if new_pages > self.pages.n_free:
             raise CapacityExhausted(f"{new_pages} logical pages wanted, {self.pages.n_free} free")
-        for g in self.groups:
-            g.check_place_room(n)
+        self.check_room(n)
         req.pages += self.pages.alloc(new_pages)
         req.reserved += grow
         self.reserved_total += grow
@@ -121,6 +134,25 @@ class UlaCache:
         for g in self.groups:
             g.place(addrs)
         return addrs
+
+    # -- address-level API (engines that allocate logical addresses themselves) ----------------
+    def check_room(self, n: int) -> None:
+        """Raise :class:`CapacityExhausted` unless ``n`` new rows fit this round in every group."""
+        for g in self.groups:
+            g.check_place_room(n)
+
+    def place(self, addrs: torch.Tensor) -> None:
+        """Give new (unmapped, distinct) addresses a GPU slot in every group; all-or-nothing."""
+        addrs = addrs.reshape(-1).to(self.device, torch.int64)
+        self.check_room(int((addrs >= 0).sum()))
+        for g in self.groups:
+            g.place(addrs)
+
+    def release(self, addrs: torch.Tensor) -> None:
+        """Drop the rows of these addresses in every group (unmapped entries are skipped)."""
+        addrs = addrs.reshape(-1).to(self.device, torch.int64)
+        for g in self.groups:
+            g.release(addrs)
 
     def addresses(self, rid: Hashable, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Addresses of a request's positions (all allocated ones by default); ``-1`` stays."""
@@ -171,9 +203,7 @@ class UlaCache:
         if rid not in self.requests:
             raise DoubleFreeError(f"request {rid!r} is not admitted or was already freed")
         req = self.requests[rid]
-        addrs = addresses_of(req.pages, self.config.page_size, 0, req.n_tokens, self.device)
-        for g in self.groups:
-            g.release(addrs)
+        self.release(addresses_of(req.pages, self.config.page_size, 0, req.n_tokens))
         self.pages.free(req.pages)
         self.reserved_total -= req.reserved
         del self.requests[rid]

@@ -41,17 +41,21 @@ class SelectionGroup:
     n_logical : size of the logical address space (addresses ``[0, n_logical)``).
     gpu_slots, cpu_slots, row_bytes : pool geometry.
     policy : ``"pblru"`` or ``"lru"``.
+    gpu_storage : optional engine-owned ``uint8 [L, G + 1, row_bytes]`` GPU pool (e.g. a view of
+        SGLang's ``kv_buffer`` rows); allocated here when absent.
     """
 
     def __init__(self, layers: list[int], n_logical: int, gpu_slots: int, cpu_slots: int,
                  row_bytes: int, device: torch.device | str = "cpu", policy: str = "pblru",
-                 n_buckets: int = 8, validate: bool = True):
+                 n_buckets: int = 8, validate: bool = True,
+                 gpu_storage: torch.Tensor | None = None):
         self.device = torch.device(device)
         self.layers = list(layers)
         self.layer_index = {layer: i for i, layer in enumerate(self.layers)}
         self.n_logical, self.G, self.C = n_logical, gpu_slots, cpu_slots
         self.validate = validate
-        self.pools = TierPools(len(layers), gpu_slots, cpu_slots, row_bytes, self.device)
+        self.pools = TierPools(len(layers), gpu_slots, cpu_slots, row_bytes, self.device,
+                               gpu_storage)
         self.policy: ReplacementPolicy = make_policy(policy, gpu_slots, n_buckets, self.device)
         i64 = dict(dtype=torch.int64, device=self.device)
         self.loc = torch.full((n_logical + 1,), -1, **i64)

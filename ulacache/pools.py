@@ -17,6 +17,8 @@ import logging
 
 import torch
 
+from .errors import ShapeError
+
 logger = logging.getLogger(__name__)
 
 
@@ -45,12 +47,21 @@ class TierPools:
     """
 
     def __init__(self, n_layers: int, gpu_slots: int, cpu_slots: int, row_bytes: int,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", gpu_storage: torch.Tensor | None = None):
         self.device = torch.device(device)
         self.n_layers, self.row_bytes = n_layers, row_bytes
         self.n_gpu, self.n_cpu = gpu_slots, cpu_slots
-        self.gpu = torch.zeros(n_layers, gpu_slots + 1, row_bytes, dtype=torch.uint8,
-                               device=self.device)
+        shape = (n_layers, gpu_slots + 1, row_bytes)
+        if gpu_storage is not None:
+            # An engine-owned buffer (SGLang's kv_buffer rows): rows must be contiguous bytes.
+            if (gpu_storage.dtype != torch.uint8 or tuple(gpu_storage.shape) != shape
+                    or gpu_storage.stride(2) != 1 or gpu_storage.device != self.device):
+                raise ShapeError(f"gpu_storage must be uint8 {shape} on {self.device} with "
+                                 f"contiguous rows, got {gpu_storage.dtype} "
+                                 f"{tuple(gpu_storage.shape)} stride {gpu_storage.stride()}")
+            self.gpu = gpu_storage
+        else:
+            self.gpu = torch.zeros(shape, dtype=torch.uint8, device=self.device)
         self.cpu = host_rows((n_layers, cpu_slots + 1, row_bytes), self.device)
         # Pops take from the top; reversed so that a fresh pool hands out slots 0, 1, 2, ...
         self.cpu_free = torch.cat([torch.arange(cpu_slots - 1, -1, -1),
