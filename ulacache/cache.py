@@ -226,8 +226,17 @@ class UlaCache:
                               self.device)] = True
         return live
 
-    def check_integrity(self) -> None:
-        """Assert every invariant of the ledger, the page allocator and each group."""
+    def check_integrity(self, live: torch.Tensor | None = None) -> None:
+        """Assert every invariant of the ledger, the page allocator and each group.
+
+        ``live``: ``bool [n_logical]`` of addresses an engine allocated itself (SGLang's paged
+        allocator); mapped addresses must be live. Default: the addresses of admitted requests,
+        each of which must also be mapped in every group.
+        """
+        if live is not None:
+            for g in self.groups:
+                g.check_integrity(live)
+            return
         self.pages.check_integrity()
         assert self.reserved_total == sum(r.reserved for r in self.requests.values())
         assert self.reserved_total <= self.config.unique_capacity, "over-admitted"

@@ -109,3 +109,51 @@ class UlaCacheConfig:
             raise ConfigError("ulacache config must be a JSON object, e.g. "
                               '\'{"gpu_slots": 65536, "cpu_slots": 262144}\'')
         return cls.from_dict(values)
+
+
+@dataclass(frozen=True)
+class SGLangOptions:
+    """ulacache's settings under SGLang (``--ulacache-config '{...}'``). The GPU pool size comes
+    from SGLang's memory budget; the CPU pool is ``cpu_ratio`` times it (exclusive tiers, so a
+    rank holds ``(1 + cpu_ratio) x`` the GPU pool's tokens); the indexer cache is sized for all
+    of them."""
+
+    mode: str = "dp"
+    cpu_ratio: int = 4  # CPU slots per GPU slot; host memory = cpu_ratio x GPU latent bytes
+    n_buckets: int = 8
+    policy: str = "pblru"
+    validate: bool = False  # host-side checks on every step (debugging; syncs the GPU)
+    fetch_cap: int = 0  # lookahead prefetch rows per step (0 = off)
+    buffer_slots: int = 0  # TP local buffer rows per rank (TP mode only)
+
+    def __post_init__(self) -> None:
+        if self.mode != "dp":
+            raise ConfigError(f"ulacache mode {self.mode!r} is not available with SGLang yet; "
+                              "legal: 'dp' (with --tp 1 per attention group, or --dp-attention)")
+        if not isinstance(self.cpu_ratio, int) or self.cpu_ratio < 0:
+            raise ConfigError(f"cpu_ratio must be an integer >= 0, got {self.cpu_ratio!r}")
+        if self.n_buckets < 2:
+            raise ConfigError("n_buckets must be >= 2")
+        if self.policy not in ("pblru", "lru"):
+            raise ConfigError(f"policy must be 'pblru' or 'lru', got {self.policy!r}")
+        if self.fetch_cap < 0 or self.buffer_slots < 0:
+            raise ConfigError("fetch_cap and buffer_slots must be >= 0")
+
+    @property
+    def host_to_device_ratio(self) -> int:
+        """Logical tokens per GPU slot, in HiSparse's terms (sizes the indexer cache)."""
+        return 1 + self.cpu_ratio
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | None) -> SGLangOptions:
+        values = dict(values or {})
+        legal = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - legal)
+        if unknown:
+            raise ConfigError(f"unknown --ulacache-config key(s) {unknown}; legal: {sorted(legal)}")
+        return cls(**values)
+
+
+def validate_sglang_config(values: dict[str, Any]) -> SGLangOptions:
+    """Validate the parsed ``--ulacache-config`` JSON object (called by the SGLang plugin)."""
+    return SGLangOptions.from_dict(values)

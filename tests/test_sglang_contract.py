@@ -1,0 +1,243 @@
+"""Contract test: ulacache's pool, allocator and coordinator driven through the call sequence
+SGLang 0.5.23's scheduler, model runner and DSA backend make (prefill, staging, decode steps, a
+speculative verify, a retract, an abort, finish), on CPU, with SGLang's own ReqToTokenPool,
+paged allocator and DSA pool base class. After every call: the core's invariants, and every row
+a swap-in returns holds exactly the latent bytes written for that token."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+sglang = pytest.importorskip("sglang")
+pytestmark = pytest.mark.sglang
+
+KVL, ROPE, L, K, P = 64, 16, 4, 32, 64
+
+
+@pytest.fixture(scope="module", autouse=True)
+def published_args():
+    from sglang.srt.runtime_context import publish
+    from sglang.srt.server_args import prepare_server_args
+
+    sa = prepare_server_args(["--model-path", "dummy", "--device", "cpu"])
+    sa.resolve_once()
+    publish(sa, role="scheduler")
+
+
+class Harness:
+    """Plays SGLang's side: req_to_token bookkeeping, KV writes, top-k positions."""
+
+    def __init__(self, shared: bool, n_slots: int = 512, cpu_ratio: int = 3, max_reqs: int = 4):
+        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+        from ulacache.config import SGLangOptions
+        from ulacache.patches.classes import (UlaCacheCoordinator, UlaCacheDSATokenToKVPool,
+                                              UlaCacheTokenToKVPoolAllocator)
+
+        opts = SGLangOptions(cpu_ratio=cpu_ratio, n_buckets=4, validate=True)
+        ratio = opts.host_to_device_ratio
+        self.rtp = ReqToTokenPool(size=max_reqs, max_context_len=4096, device="cpu",
+                                  enable_memory_saver=False)
+        skip = [i % 2 == 1 for i in range(L)] if shared else None
+        self.pool = UlaCacheDSATokenToKVPool(
+            n_slots, page_size=P, kv_lora_rank=KVL, dtype=torch.bfloat16,
+            qk_rope_head_dim=ROPE, layer_num=L, device="cpu", index_head_dim=128,
+            enable_memory_saver=False, kv_cache_dim=KVL + ROPE, max_running_requests=max_reqs,
+            skip_topk_layers=skip, host_to_device_ratio=ratio, ulacache_options=opts)
+        self.alloc = UlaCacheTokenToKVPoolAllocator(
+            n_slots, page_size=P, dtype=torch.bfloat16, device="cpu", kvcache=self.pool,
+            need_sort=False, host_to_device_ratio=ratio)
+        self.coord = UlaCacheCoordinator(
+            req_to_token_pool=self.rtp, token_to_kv_pool_allocator=self.alloc, top_k=K,
+            device_buffer_size=0, device="cpu", tp_group=None, host_to_device_ratio=ratio,
+            num_draft_tokens=2)
+        self.gen = torch.Generator().manual_seed(0)
+        self.latent: dict[tuple[int, int], torch.Tensor] = {}  # (layer, logical loc) -> row
+        self.lens: dict[int, int] = {}
+        self.reqs: dict[int, types.SimpleNamespace] = {}
+
+    # -- SGLang's writes ------------------------------------------------------------------
+    def write_kv(self, locs: torch.Tensor) -> None:
+        for layer in range(L):
+            nope = torch.randn(locs.numel(), 1, KVL, generator=self.gen).to(torch.bfloat16)
+            rope = torch.randn(locs.numel(), 1, ROPE, generator=self.gen).to(torch.bfloat16)
+            self.pool.set_mla_kv_buffer(types.SimpleNamespace(layer_id=layer), locs, nope, rope)
+            for i, loc in enumerate(locs.tolist()):
+                self.latent[(layer, loc)] = torch.cat([nope[i, 0], rope[i, 0]])
+
+    def check_rows(self, layer: int, rows: torch.Tensor, locs: torch.Tensor) -> None:
+        """rows (kv_buffer rows) must hold the latent written for locs; -1 stays -1."""
+        assert rows.dtype == torch.int32
+        assert torch.equal(rows < 0, locs < 0)
+        buf = self.pool.kv_buffer[layer]
+        for r, loc in zip(rows.reshape(-1).tolist(), locs.reshape(-1).tolist()):
+            if loc >= 0:
+                assert torch.equal(buf[r, 0], self.latent[(layer, loc)]), (layer, loc, r)
+
+    def check(self) -> None:
+        self.alloc.check_integrity()
+
+    # -- the scheduler's calls ------------------------------------------------------------
+    def prefill(self, idx: int, n: int, chunk: int) -> None:
+        req = types.SimpleNamespace(rid=f"r{idx}", hisparse_staging=False)
+        self.reqs[idx] = req
+        done = 0
+        while done < n:
+            m = min(chunk, n - done)
+            self.coord.allocate_spec_scratch([idx])
+            last = self.rtp.req_to_token[idx, done - 1].long().view(1) if done else \
+                torch.tensor([-1])
+            locs = self.alloc.alloc_extend(torch.tensor([done]), torch.tensor([done]),
+                                           torch.tensor([done + m]), torch.tensor([done + m]),
+                                           last, m)
+            assert locs is not None
+            self.rtp.req_to_token[idx, done: done + m] = locs.to(torch.int32)
+            self.write_kv(locs)
+            self.check()
+            # prefill attention: each query selects among 0..pos (page table of logical locs)
+            pos = torch.randint(0, done + m, (m, K), generator=self.gen)
+            pos[:, -3:] = -1
+            table = torch.where(pos >= 0, self.rtp.req_to_token[idx][pos.clamp(min=0)].long(),
+                                -1)
+            for layer in range(L):
+                self.pool.current_layer_id = layer  # what the forward_extend hook records
+                rows = self.pool.translate_loc_to_hisparse_device(table.to(torch.int32))
+                self.check_rows(layer, rows.to(torch.int32), table)
+            self.check()
+            done += m
+        self.lens[idx] = n
+        self.coord.admit_request_into_staging(req)
+        assert req.hisparse_staging and self.coord.has_ongoing_staging()
+
+    def decode_step(self, idxs: list[int], pad: int = 1) -> None:
+        bs = len(idxs)
+        ri = torch.tensor(idxs)
+        last = torch.stack([self.rtp.req_to_token[i, self.lens[i] - 1].long() for i in idxs])
+        seq = torch.tensor([self.lens[i] + 1 for i in idxs])
+        out = self.alloc.alloc_decode(seq, seq, last)
+        for i, loc in zip(idxs, out.tolist()):
+            self.rtp.req_to_token[i, self.lens[i]] = loc
+            self.lens[i] += 1
+        self.coord.map_last_loc_to_buffer(seq, out, ri, seq, ri)
+        self.check()
+        self.coord.wait_for_pending_backup()
+        self.coord.num_real_reqs.fill_(bs)
+        self.write_kv(out)
+        # indexer: distinct positions per request (always the newest), -1 padded; plus padded
+        # CUDA-graph rows (req_pool_idx 0) that must come back -1
+        topk = torch.full((bs + pad, K), -1, dtype=torch.int32)
+        for b, i in enumerate(idxs):
+            n = self.lens[i]
+            pos = torch.randperm(n - 1, generator=self.gen)[: K - 4]
+            topk[b, : pos.numel() + 1] = torch.cat([pos, torch.tensor([n - 1])]).to(torch.int32)
+        topk[bs:] = torch.arange(K, dtype=torch.int32)  # garbage in padded rows
+        ri_pad = torch.cat([ri, torch.zeros(pad, dtype=torch.int64)])
+        seq_pad = torch.cat([seq, torch.ones(pad, dtype=torch.int64)])
+        shared_rows = None
+        for layer in range(L):
+            rows = self.coord.swap_in_selected_pages(ri_pad, seq_pad, topk, layer)
+            assert rows.shape == (bs + pad, K) and (rows[bs:] == -1).all()
+            locs = torch.where(topk[:bs] >= 0, self.rtp.req_to_token[ri.unsqueeze(1),
+                               topk[:bs].long().clamp(min=0)].long(), -1)
+            self.check_rows(layer, rows[:bs], locs)
+            if layer % 2 == 1 and self.pool.core.layer_to_group[layer] == \
+                    self.pool.core.layer_to_group[layer - 1]:
+                assert rows.data_ptr() == shared_rows  # plan reused by the shared layer
+            shared_rows = rows.data_ptr()
+        self.check()
+
+    def verify_step(self, idxs: list[int], steps: int = 2) -> None:
+        bs = len(idxs)
+        ri = torch.tensor(idxs)
+        prefix = torch.tensor([self.lens[i] for i in idxs])
+        last = torch.stack([self.rtp.req_to_token[i, self.lens[i] - 1].long() for i in idxs])
+        locs = self.alloc.alloc_logical_only(prefix, prefix, prefix + steps, prefix + steps,
+                                             last, bs * steps)
+        for b, i in enumerate(idxs):
+            self.rtp.req_to_token[i, self.lens[i]: self.lens[i] + steps] = \
+                locs[b * steps: (b + 1) * steps].to(torch.int32)
+        batch = types.SimpleNamespace(out_cache_loc=locs, req_pool_indices=ri)
+        self.coord.prepare_spec_verify(batch)
+        self.coord.num_real_reqs.fill_(bs)
+        self.write_kv(locs)
+        topk = torch.full((bs, steps, K), -1, dtype=torch.int32)
+        for b, i in enumerate(idxs):
+            for s in range(steps):
+                n = self.lens[i] + s + 1
+                pos = torch.randperm(n, generator=self.gen)[:K]
+                topk[b, s, : pos.numel()] = pos.to(torch.int32)
+        for layer in range(L):
+            rows = self.coord.swap_in_selected_pages(ri, prefix + steps, topk, layer)
+            assert rows.shape == (bs, steps, K)
+            flat = topk.view(bs * steps, K).long()
+            req = ri.repeat_interleave(steps)
+            want = torch.where(flat >= 0, self.rtp.req_to_token[req.unsqueeze(1),
+                               flat.clamp(min=0)].long(), -1)
+            self.check_rows(layer, rows.view(bs * steps, K), want)
+        # accept the first token of each request; the rejected one's address stays in its page
+        # and is handed out again for the next position (paged allocators free whole pages)
+        accept = torch.tensor([[b * steps, -1] for b in range(bs)])
+        self.coord.commit_spec_accept_tokens(batch=batch, accept_indices=accept)
+        for i in idxs:
+            self.lens[i] += 1
+        self.check()
+
+    def finish(self, idx: int, how: str) -> None:
+        req = self.reqs.pop(idx)
+        if how == "retract":
+            self.coord.retract_req(req)
+        else:
+            self.coord.request_finished(req)
+        # release_kv_cache: free the request's logical addresses
+        self.alloc.free(self.rtp.req_to_token[idx, : self.lens.pop(idx)].long())
+        self.check()
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["per-layer", "shared-indexer"])
+def test_call_sequence(shared):
+    h = Harness(shared)
+    capacity = h.alloc.size_full
+    assert capacity == 512 * 4 and h.alloc.available_size() == capacity
+    for idx, n in ((1, 300), (2, 420), (3, 250)):  # 970 tokens > 512 GPU slots
+        h.prefill(idx, n, chunk=160)
+    ready = h.coord.collect_ready_reqs()
+    assert len(ready) == 3 and not h.coord.has_ongoing_staging()
+    assert all(not r.hisparse_staging for r in ready)
+    for _ in range(6):
+        h.decode_step([1, 2, 3])
+    h.verify_step([1, 2, 3])
+    h.decode_step([1, 2, 3])
+    stats = h.pool.core.stats()
+    assert stats["group0_promotions"] > 0 and stats["group0_spills"] > 0
+    tok = h.coord.get_token_stats()
+    assert tok.device_tokens > 0 and tok.host_tokens > 0 and 0 < tok.device_token_usage <= 1
+    h.finish(2, "retract")
+    h.prefill(4, 90, chunk=90)  # a new request while others decode
+    h.coord.abort_staging_request(h.reqs[4])  # aborted during staging
+    h.finish(4, "abort")
+    for _ in range(3):
+        h.decode_step([1, 3])
+    h.finish(1, "finish")
+    h.finish(3, "finish")
+    assert h.alloc.available_size() == capacity
+    for g in h.pool.core.groups:
+        assert int((g.gpu_owner[: g.G] >= 0).sum()) == 0 and int(g.pools.cpu_top) == g.C
+    h.coord.destroy()
+
+
+def test_gpu_pool_too_small_for_one_step_is_refused():
+    from ulacache.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="one step's selections"):
+        Harness(False, n_slots=128)
+
+
+def test_layer_groups_from_skip():
+    from ulacache.patches.classes import layer_groups_from_skip
+
+    assert layer_groups_from_skip(None, 3) == [[0], [1], [2]]
+    skip = [False, True, True, True, False, True]
+    assert layer_groups_from_skip(skip, 6) == [[0, 1, 2, 3], [4, 5]]
