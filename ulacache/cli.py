@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--cpu-slots", type=int, default=None,
                     help="CPU slots per group (default: the rest of the live history)")
     rp.add_argument("--layout", default="fp8", choices=["fp8", "bf16"])
-    rp.add_argument("--buckets", type=int, default=8, help="PB-LRU recent buckets")
+    rp.add_argument("--buckets", type=int, default=64, help="PB-LRU recent buckets")
     rp.add_argument("--json", action="store_true")
     rp.set_defaults(func=_replay)
 

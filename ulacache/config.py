@@ -34,7 +34,7 @@ class UlaCacheConfig:
     max_requests: int = 256
     max_batch: int = 64
     top_k: int = 2048
-    n_buckets: int = 8  # PB-LRU recent buckets (n_b)
+    n_buckets: int = 64  # PB-LRU recent buckets (n_b): recency resolution in rounds
     policy: str = "pblru"  # "pblru" | "lru" (exact LRU, pool-wide scan; the baseline)
     validate: bool = True  # host-side input checks outside graph capture
     fetch_cap: int = 0  # lookahead prefetch rows per step (0 = off)
@@ -120,7 +120,7 @@ class SGLangOptions:
 
     mode: str = "dp"
     cpu_ratio: int = 4  # CPU slots per GPU slot; host memory = cpu_ratio x GPU latent bytes
-    n_buckets: int = 8
+    n_buckets: int = 64
     policy: str = "pblru"
     validate: bool = False  # host-side checks on every step (debugging; syncs the GPU)
     fetch_cap: int = 0  # lookahead prefetch rows per step (0 = off)

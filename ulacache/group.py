@@ -47,7 +47,7 @@ class SelectionGroup:
 
     def __init__(self, layers: list[int], n_logical: int, gpu_slots: int, cpu_slots: int,
                  row_bytes: int, device: torch.device | str = "cpu", policy: str = "pblru",
-                 n_buckets: int = 8, validate: bool = True,
+                 n_buckets: int = 64, validate: bool = True,
                  gpu_storage: torch.Tensor | None = None):
         self.device = torch.device(device)
         self.layers = list(layers)

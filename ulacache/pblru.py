@@ -27,6 +27,7 @@ from .errors import ShapeError
 __all__ = ["ReplacementPolicy", "PBLRU", "ExactLRU", "make_policy"]
 
 _WORD_BITS = 63  # bits per int64 word: bit 63 unused, so +/- 2**b scatter-adds never overflow
+_SUPER = 16  # words per superblock (second level of the count hierarchy)
 _FREE_STAMP = -(2**62)
 
 
@@ -93,32 +94,41 @@ class ReplacementPolicy(ABC):
 class PBLRU(ReplacementPolicy):
     """Parallel Bucketed LRU (UlaCache §5.1).
 
-    State (``W = ceil(G / 63)`` words, one extra scratch word column for masked scatters):
+    State (``W = ceil(G / 63)`` words, rounded up to whole superblocks):
 
-    - ``bits int64 [n_b + 2, W + 1]``: row 0 the free bitmap, row 1 the cold bucket, row
+    - ``bits int64 [n_b + 2, W + 16]``: row 0 the free bitmap, row 1 the cold bucket, row
       ``2 + i`` recent bucket ``i``. Bit ``s % 63`` of word ``s // 63`` is slot ``s``. Every
       slot is in exactly one row.
-    - ``counts int32 [n_b + 2, W + 1]``: popcount of each word, kept in step with ``bits``.
+    - ``counts int32 [n_b + 2, W + 16]``: popcount of each word, kept in step with ``bits``;
+      ``super_counts int32 [n_b + 2, W / 16 + 1]``: their sums per superblock of 16 words.
+      The last superblock of each row is scratch (masked updates land there).
     - ``stamp int64 [G + 1]``: the round of the slot's last touch, or a FREE sentinel. This is
       the paper's slot -> bucket id table in a rotation-free form: bucket(s) is FREE, COLD
       when ``round - stamp >= n_b``, else ``stamp % n_b``. Advancing a round therefore rewrites
       no per-slot ids: it ORs the bucket that becomes current into cold and clears it (O(W)).
 
-    Why bitmaps with per-word counts: the i-th victim is found by a prefix sum over word counts
-    in victim order (free, cold, recent oldest -> newest, current excluded) and a select within
-    one word; that is O(W) + O(n) tensor work with fixed shapes, where an exact LRU must scan
-    (sort) all G timestamps.
+    Why bitmaps with a two-level count hierarchy: the i-th victim is found by a prefix sum over
+    superblock counts in victim order (free, cold, recent oldest -> newest, current excluded),
+    then a 16-word prefix inside its superblock and a select within one word. That is
+    O(n_b * G / 1008) + O(16 n) tensor work with fixed shapes, so many buckets (a fine recency
+    resolution) stay cheap, where an exact LRU must scan (sort) all G timestamps.
     """
 
-    def __init__(self, n_slots: int, n_buckets: int = 8, device: torch.device | str = "cpu"):
+    def __init__(self, n_slots: int, n_buckets: int = 64, device: torch.device | str = "cpu"):
         if n_slots < 1 or n_buckets < 2:
             raise ValueError("PBLRU needs n_slots >= 1 and n_buckets >= 2")
         self.n_slots, self.n_buckets = int(n_slots), int(n_buckets)
         self.device = torch.device(device)
-        self.n_words = -(-self.n_slots // _WORD_BITS)
-        rows, w1 = self.n_buckets + 2, self.n_words + 1
-        self.bits = torch.zeros(rows, w1, dtype=torch.int64, device=self.device)
-        self.counts = torch.zeros(rows, w1, dtype=torch.int32, device=self.device)
+        self.n_super = -(-self.n_slots // (_WORD_BITS * _SUPER))
+        self.n_words = self.n_super * _SUPER  # padded to whole superblocks
+        rows = self.n_buckets + 2
+        # one extra (scratch) superblock per row absorbs masked updates; its first word is the
+        # scratch word n_words
+        self.bits = torch.zeros(rows, self.n_words + _SUPER, dtype=torch.int64, device=self.device)
+        self.counts = torch.zeros(rows, self.n_words + _SUPER, dtype=torch.int32,
+                                  device=self.device)
+        self.super_counts = torch.zeros(rows, self.n_super + 1, dtype=torch.int32,
+                                        device=self.device)
         self.stamp = torch.full((self.n_slots + 1,), _FREE_STAMP, dtype=torch.int64,
                                 device=self.device)
         self.round_t = torch.zeros((), dtype=torch.int64, device=self.device)
@@ -138,13 +148,14 @@ class PBLRU(ReplacementPolicy):
         bit = slots - word * _WORD_BITS
         value = torch.bitwise_left_shift(torch.ones_like(bit), bit) * sign
         ones = torch.full_like(word, sign, dtype=torch.int32)
-        if mask is not None:
+        sup = torch.div(word, _SUPER, rounding_mode="floor")
+        if mask is not None:  # masked entries land in the scratch word / superblock
             word = torch.where(mask, word, self.n_words)
-            value = torch.where(mask, value, 0)
-            ones = torch.where(mask, ones, 0)
-        flat = rows * (self.n_words + 1) + word
+            sup = torch.where(mask, sup, self.n_super)
+        flat = rows * (self.n_words + _SUPER) + word
         self.bits.view(-1).scatter_add_(0, flat, value)
         self.counts.view(-1).scatter_add_(0, flat, ones)
+        self.super_counts.view(-1).scatter_add_(0, rows * (self.n_super + 1) + sup, ones)
 
     def _row_of(self, stamp: torch.Tensor) -> torch.Tensor:
         """Bucket row (0 free, 1 cold, 2 + i recent) of slots with these stamps."""
@@ -181,22 +192,31 @@ class PBLRU(ReplacementPolicy):
 
     def victims(self, n: int) -> torch.Tensor:
         rows = self._victim_rows()
-        counts = self.counts.index_select(0, rows)[:, : self.n_words].reshape(-1)
+        # Level 1: superblock counts in victim order; rank r falls in superblock sb_of_rank[r].
+        counts = self.super_counts.index_select(0, rows)[:, : self.n_super].reshape(-1)
         ends = torch.cumsum(counts, 0, dtype=torch.int64)
         starts = ends - counts
         total = ends[-1]
-        # word_of_rank[r]: the flat word holding the r-th candidate. Mark each non-empty word at
-        # its first rank, then a running max fills the ranks in between (word ids grow with rank).
-        flat_word = torch.arange(counts.numel(), device=self.device)
+        # Mark each non-empty superblock at its first rank; a running max fills the ranks in
+        # between (superblock ids grow with rank).
+        flat = torch.arange(counts.numel(), device=self.device)
         marks = torch.full((n + 1,), -1, dtype=torch.int64, device=self.device)
         keep = (counts > 0) & (starts < n)
-        marks.scatter_reduce_(0, torch.where(keep, starts, n), flat_word, "amax")
-        word_of_rank = torch.cummax(marks[:n], 0).values.clamp(min=0)
+        marks.scatter_reduce_(0, torch.where(keep, starts, n), flat, "amax")
+        sb = torch.cummax(marks[:n], 0).values.clamp(min=0)
         ranks = torch.arange(n, device=self.device)
-        in_word = ranks - starts[word_of_rank]
-        row = rows[torch.div(word_of_rank, self.n_words, rounding_mode="floor")]
-        word = torch.remainder(word_of_rank, self.n_words)
-        bit = self._select_bit(self.bits[row, word], in_word)
+        r1 = ranks - starts[sb]
+        row = rows[torch.div(sb, self.n_super, rounding_mode="floor")]
+        sb_local = torch.remainder(sb, self.n_super)
+        # Level 2: the word inside the superblock, then the bit inside the word.
+        wc = self.counts.view(self.counts.shape[0], self.n_super + 1, _SUPER)[row, sb_local]
+        wends = torch.cumsum(wc, 1, dtype=torch.int32)
+        r1 = r1.to(torch.int32)  # same dtype as wends: no promotion copies of [n, 16]
+        which = (wends <= r1.unsqueeze(1)).sum(1, dtype=torch.int64).clamp(max=_SUPER - 1)
+        before = torch.where(which > 0, wends.gather(1, (which - 1).clamp(min=0).unsqueeze(1))
+                             .squeeze(1), 0)
+        word = sb_local * _SUPER + which
+        bit = self._select_bit(self.bits[row, word], r1 - before)
         slot = word * _WORD_BITS + bit
         return torch.where(ranks < total, slot, -1)
 
@@ -204,16 +224,18 @@ class PBLRU(ReplacementPolicy):
         """Position of the ``r``-th (0-based) set bit of each word; ``[n]`` int64."""
         shifts = torch.arange(0, 64, 8, device=self.device)
         byte = torch.bitwise_and(torch.bitwise_right_shift(words.unsqueeze(1), shifts), 255)
-        ends = torch.cumsum(self._popcount[byte], 1)
-        which = (ends <= r.unsqueeze(1)).sum(1).clamp(max=7)
+        ends = torch.cumsum(self._popcount[byte], 1, dtype=torch.int32)
+        r = r.to(torch.int32)
+        which = (ends <= r.unsqueeze(1)).sum(1, dtype=torch.int64).clamp(max=7)
         before = torch.where(which > 0, ends.gather(1, (which - 1).clamp(min=0).unsqueeze(1))
                              .squeeze(1), 0)
-        r_in_byte = (r - before).clamp(0, 7)
+        r_in_byte = (r - before).clamp(0, 7).to(torch.int64)
         byte_val = byte.gather(1, which.unsqueeze(1)).squeeze(1)
         return which * 8 + self._select[byte_val, r_in_byte]
 
     def eligible(self) -> torch.Tensor:
-        return self.counts.index_select(0, self._victim_rows()).sum(dtype=torch.int64)
+        rows = self._victim_rows()
+        return self.super_counts.index_select(0, rows)[:, : self.n_super].sum(dtype=torch.int64)
 
     def in_current_round(self, slots: torch.Tensor) -> torch.Tensor:
         valid, s = self._slots(slots)
@@ -225,8 +247,10 @@ class PBLRU(ReplacementPolicy):
         row = 2 + self._round % self.n_buckets  # becomes current: its members retire to cold
         self.bits[1].add_(self.bits[row])  # disjoint sets: add == OR, no carries
         self.counts[1].add_(self.counts[row])
+        self.super_counts[1].add_(self.super_counts[row])
         self.bits[row].zero_()
         self.counts[row].zero_()
+        self.super_counts[row].zero_()
 
     def used_mask(self) -> torch.Tensor:
         return self.stamp[: self.n_slots] != _FREE_STAMP
@@ -241,10 +265,14 @@ class PBLRU(ReplacementPolicy):
         expected.__dict__.update(self.__dict__)
         expected.bits = torch.zeros_like(self.bits)
         expected.counts = torch.zeros_like(self.counts)
+        expected.super_counts = torch.zeros_like(self.super_counts)
         slots = torch.arange(self.n_slots, device=self.device)
         expected._set_bits(self._row_of(self.stamp[: self.n_slots]), slots, +1)
-        assert torch.equal(expected.bits, self.bits), "PB-LRU bitmaps disagree with slot stamps"
-        assert torch.equal(expected.counts, self.counts), "PB-LRU word counts disagree with bits"
+        W, S = self.n_words, self.n_super  # the scratch word / superblock absorb masked updates
+        assert torch.equal(expected.bits[:, :W], self.bits[:, :W]), "bitmaps disagree with stamps"
+        assert torch.equal(expected.counts[:, :W], self.counts[:, :W]), "word counts != bits"
+        assert torch.equal(expected.super_counts[:, :S], self.super_counts[:, :S]), \
+            "superblock counts != word counts"
         assert bool((self.stamp[: self.n_slots] <= self.round_t).all()), "stamp from the future"
 
 
@@ -298,7 +326,7 @@ class ExactLRU(ReplacementPolicy):
         assert bool((self.stamp[: self.n_slots] <= self.round_t).all()), "stamp from the future"
 
 
-def make_policy(name: str, n_slots: int, n_buckets: int = 8,
+def make_policy(name: str, n_slots: int, n_buckets: int = 64,
                 device: torch.device | str = "cpu") -> ReplacementPolicy:
     """``"pblru"`` or ``"lru"`` (exact LRU baseline)."""
     if name == "pblru":

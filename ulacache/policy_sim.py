@@ -46,7 +46,7 @@ class ResidencySim:
     the reverse. Both grow on demand.
     """
 
-    def __init__(self, policy: str, n_slots: int, n_buckets: int = 8,
+    def __init__(self, policy: str, n_slots: int, n_buckets: int = 64,
                  device: torch.device | str = "cpu"):
         self.device = torch.device(device)
         self.n_slots = n_slots
@@ -119,7 +119,7 @@ class ResidencySim:
             r.bypass += int((miss & ~ok).sum())
 
 
-def simulate(policy: str, n_slots: int, steps: Iterable[torch.Tensor], n_buckets: int = 8,
+def simulate(policy: str, n_slots: int, steps: Iterable[torch.Tensor], n_buckets: int = 64,
              warmup: int = 0) -> SimResult:
     """Run a selection stream; each step is ``int64 [n]`` addresses (duplicates are removed).
     The first ``warmup`` steps fill the pool and are not counted."""
@@ -130,6 +130,6 @@ def simulate(policy: str, n_slots: int, steps: Iterable[torch.Tensor], n_buckets
 
 
 def simulate_hit_rate(policy_name: str, n_slots: int, steps: Iterable[torch.Tensor],
-                      n_buckets: int = 8) -> float:
+                      n_buckets: int = 64) -> float:
     """Hits / accesses of ``policy_name`` (``"pblru"`` or ``"lru"``) with ``n_slots`` GPU slots."""
     return simulate(policy_name, n_slots, steps, n_buckets).hit_rate

@@ -56,7 +56,7 @@ def plan_requests(trace: Trace, requests: int, steps: int) -> list[int]:
 
 def replay(trace: Trace, *, requests: int = 4, steps: int = 256, layers: list[int] | None = None,
            gpu_slots: int | None = None, cpu_slots: int | None = None, layout: str = "fp8",
-           policy: str = "pblru", n_buckets: int = 8, page_size: int = 64,
+           policy: str = "pblru", n_buckets: int = 64, page_size: int = 64,
            progress: bool = False) -> ReplayResult:
     """Replay ``trace`` through a :class:`UlaCache`; see the module docstring."""
     layers = list(range(trace.layers)) if layers is None else layers
@@ -128,7 +128,8 @@ def format_results(trace: Trace, results: list[ReplayResult]) -> str:
         f"trace {meta.get('text_file', '?')}: model {meta.get('model', '?')}, {trace.layers} "
         f"layers, k={trace.k}, {trace.steps} steps",
         f"replayed: {r0.requests} interleaved requests x {r0.steps} steps, {r0.groups} selection "
-        f"groups, GPU {r0.gpu_slots} + CPU {r0.cpu_slots} slots/group, rows of {r0.row_bytes} B",
+        f"groups, GPU {r0.gpu_slots} + CPU {r0.cpu_slots} slots/group, rows of {r0.row_bytes} B; "
+        "per-step figures are summed over the groups",
         f"{'policy':<10} {'GPU hit':>8} {'promo/step':>11} {'wb/step':>8} {'spill/step':>11} "
         f"{'H2D KB/step':>12} {'D2H KB/step':>12}",
     ]
