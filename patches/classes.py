@@ -222,7 +222,8 @@ class UlaCacheTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         self._size_full = size * host_to_device_ratio
         self._size_hisparse = size
         self.compress_ratio = 1
-        self.dtype, self.device, self.page_size, self.need_sort = dtype, device, page_size, need_sort
+        self.dtype, self.device = dtype, device
+        self.page_size, self.need_sort = page_size, need_sort
         self._spec_scratch_capacity = 0
         self._spec_device_buffer_size = 0
         self.logical_attn_allocator = PagedTokenToKVPoolAllocator(
