@@ -244,3 +244,24 @@ def test_layer_groups_from_skip():
     assert layer_groups_from_skip(None, 3) == [[0], [1], [2]]
     skip = [False, True, True, True, False, True]
     assert layer_groups_from_skip(skip, 6) == [[0, 1, 2, 3], [4, 5]]
+
+
+def test_extra_hooks_track_layer_and_size_from_cpu_ratio(monkeypatch):
+    """The forward_extend hook tells the pool which layer's group a prefill page table is for;
+    the parse_hisparse_config hook sizes the logical space as (1 + cpu_ratio) x GPU slots."""
+    from sglang.srt.mem_cache.sparsity.core.sparse_coordinator import SparseConfig
+
+    from ulacache.config import SGLangOptions
+    from ulacache.patches import classes
+
+    h = Harness(False)
+    backend = types.SimpleNamespace(token_to_kv_pool=h.pool)
+    seen = []
+    hook = classes.EXTRA_HOOKS[
+        "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend.forward_extend"][0]
+    out = hook(lambda self, *a, **k: seen.append(self.token_to_kv_pool.current_layer_id) or 7,
+               backend, "q", "k", "v", types.SimpleNamespace(layer_id=3), "fb")
+    assert out == 7 and seen == [3]
+    monkeypatch.setattr(classes, "sglang_options", lambda: SGLangOptions(cpu_ratio=6))
+    parse = classes.EXTRA_HOOKS["sglang.srt.mem_cache.sparsity.factory.parse_hisparse_config"][0]
+    assert parse(lambda: SparseConfig()).host_to_device_ratio == 7

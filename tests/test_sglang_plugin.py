@@ -222,6 +222,7 @@ def _child(server_args, use_entry_point, fake_classes, queue):
             plugin.register()
         from sglang.srt.entrypoints.engine import Engine
         from sglang.srt.managers import scheduler
+        from sglang.srt.mem_cache import kv_cache_configurator as kvc
 
         swaps = {t: pkgutil.resolve_name(t).__name__ for t in plugin.CLASS_TARGETS}
         plugin.verify()
@@ -235,6 +236,12 @@ def _child(server_args, use_entry_point, fake_classes, queue):
                 "Engine.server_args_class": Engine.server_args_class.__name__,
                 "swaps": swaps,
                 "scheduler.HiSparseCoordinator": scheduler.HiSparseCoordinator.__name__,
+                # the sites that build the pool and allocator, and the model runner's lazy
+                # import of the coordinator (model_runner.py:1032-1042)
+                "kvc.HiSparseDSATokenToKVPool": kvc.HiSparseDSATokenToKVPool.__name__,
+                "kvc.HiSparseTokenToKVPoolAllocator": kvc.HiSparseTokenToKVPoolAllocator.__name__,
+                "model_runner.lazy HiSparseCoordinator": importlib.import_module(
+                    "sglang.srt.managers.hisparse_coordinator").HiSparseCoordinator.__name__,
                 "real_classes": real_classes,
                 "env": os.environ.get(ula_args.ENV_KV_BACKEND),
             }
@@ -274,6 +281,9 @@ def test_spawned_child_sees_field_and_class_swaps(registered, use_entry_point):
     assert result["env"] == "ulacache"
     assert result["swaps"] == dict(plugin.CLASS_TARGETS)
     assert result["scheduler.HiSparseCoordinator"] == "UlaCacheCoordinator"
+    assert result["kvc.HiSparseDSATokenToKVPool"] == "UlaCacheDSATokenToKVPool"
+    assert result["kvc.HiSparseTokenToKVPoolAllocator"] == "UlaCacheTokenToKVPoolAllocator"
+    assert result["model_runner.lazy HiSparseCoordinator"] == "UlaCacheCoordinator"
 
 
 def test_spawned_child_keeps_stock_classes_for_hisparse(registered):

@@ -1,0 +1,244 @@
+"""``--kv-backend`` and ``--ulacache-config`` for SGLang 0.5.23, in "field mode".
+
+SGLang assembles ``ServerArgs`` as a ``msgspec`` Struct at import time and generates its CLI from
+the fields, so a plugin cannot add a flag to the stock class. Instead :class:`UlaServerArgs`
+subclasses it with two real fields in namespace ``memory``; the plugin (``patches/plugin.py``)
+REPLACEs ``sglang.srt.server_args.ServerArgs`` and ``Engine.server_args_class`` with it. The
+fields then show in ``--help``, parse with ``choices``, survive pickling to spawned children,
+appear in ``get_memory()`` and are accepted by ``Engine(kv_backend=...)``.
+
+Validation happens at two points:
+
+* :meth:`UlaServerArgs.__post_init__` (every construction: CLI, ``Engine(**kw)``, unpickling):
+  choice of backend, JSON shape of ``ulacache_config``, combinations that can be judged from raw
+  inputs; it turns ``enable_hisparse`` on for ``ulacache`` and ``hisparse`` (HiSparse's
+  ``enable_hisparse`` is not resolvable, so it must be set before resolution starts).
+* :func:`validate_hisparse_around` (AROUND
+  ``sglang.srt.arg_groups.hisparse_hook.validate_hisparse``, run by SGLang's post-process pass
+  once the model config is known): the model must be a DSA model the ulacache pool path
+  supports; HiSparse's own checks then run with error messages that
+  name the ulacache backend and the legal combinations.
+
+This module imports SGLang at import time: import it only where SGLang is installed.
+Do not add ``from __future__ import annotations`` here: SGLang reads the field annotations.
+"""
+
+import json
+import logging
+import os
+from typing import Any, Optional
+
+from sglang.srt import server_args as _sglang_server_args
+from sglang.srt.arg_groups.arg_utils import NS, A, Arg
+
+from ulacache.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+KV_BACKENDS = ("default", "hisparse", "ulacache")
+"""Legal values of ``--kv-backend``."""
+
+HISPARSE_BACKENDS = ("hisparse", "ulacache")
+"""Backends that run on SGLang's HiSparse code paths (``enable_hisparse=True``)."""
+
+ENV_KV_BACKEND = "ULACACHE_KV_BACKEND"
+"""Environment variable through which the selected backend reaches spawned SGLang processes.
+
+SGLang calls ``load_plugins()`` before it parses arguments (launcher) or as the first statement
+of a child process (scheduler, DP controller, detokenizer), so ``register()`` cannot read the
+record. :meth:`UlaServerArgs.__post_init__` therefore exports the choice here; children spawned
+afterwards inherit it and ``register()`` installs the class swaps only when it says ``ulacache``.
+"""
+
+# DSA architectures whose KV pool is not built by ``KVCacheConfigurator._build_dsa_kv_pool``
+# (GLM-5.3-Flash is hybrid linear attention + DSA, "mambaish"), so the HiSparse pool class that
+# ulacache replaces is never constructed for them.
+_ULACACHE_UNSUPPORTED_DSA_ARCHS = frozenset(
+    {"Glm5NextForConditionalGeneration", "Glm5NextForConditionalGenerationNextN"}
+)
+
+_KV_BACKEND_HELP = (
+    "KV-cache backend for DSA sparse-attention (MLA) models (plugin ulacache). 'default': "
+    "SGLang's normal pools (HiSparse still follows --enable-hisparse); 'hisparse': SGLang's "
+    "HiSparse (same as --enable-hisparse); 'ulacache': one logical KV address space over shared "
+    "GPU and CPU pools (turns on the HiSparse code paths; needs --disable-radix-cache)."
+)
+_ULACACHE_CONFIG_HELP = (
+    "UlaCache settings as a JSON object, read only with --kv-backend ulacache; keys and "
+    "defaults are defined by ulacache.config.SGLangOptions (mode, cpu_ratio, n_buckets, policy, "
+    'fetch_cap, buffer_slots, validate). Example: \'{"mode": "dp", "cpu_ratio": 4}\'.'
+)
+
+
+def parse_ulacache_config(raw: Optional[str]) -> dict[str, Any]:
+    """Parse the ``--ulacache-config`` string into a dict (``{}`` for ``None`` or empty).
+
+    Only the JSON shape is checked here: a JSON object is required. The meaning of the keys is
+    checked by ``ulacache.config`` when it offers a validator (see :func:`_validate_content`).
+
+    Raises:
+        ConfigError: not valid JSON, or valid JSON that is not an object.
+    """
+    if raw is None or (isinstance(raw, str) and not raw.strip()):
+        return {}
+    if isinstance(raw, dict):  # Engine(ulacache_config={...}) from Python
+        return dict(raw)
+    try:
+        value = json.loads(raw)
+    except (TypeError, json.JSONDecodeError) as exc:
+        raise ConfigError(
+            f'--ulacache-config must be a JSON object such as \'{{"mode": "dp"}}\', '
+            f"but {raw!r} is not valid JSON: {exc}"
+        ) from exc
+    if not isinstance(value, dict):
+        raise ConfigError(
+            f'--ulacache-config must be a JSON object such as \'{{"mode": "dp"}}\', '
+            f"got a JSON {type(value).__name__}: {raw!r}"
+        )
+    return value
+
+
+def _validate_content(config: dict[str, Any]) -> None:
+    """Hand the parsed settings to ``ulacache.config`` if it provides a validator.
+
+    Looks up ``ulacache.config.validate_sglang_config(dict)``; absent module or function means
+    "shape check only" (stage 1). Errors it raises propagate unchanged.
+    """
+    try:
+        from ulacache import config as _ula_config  # noqa: PLC0415 - optional, lead-owned
+    except ImportError:
+        return
+    validator = getattr(_ula_config, "validate_sglang_config", None)
+    if callable(validator):
+        validator(config)
+
+
+def _illegal_raw_combinations(args: Any) -> list[str]:
+    """Combinations with ``--kv-backend`` that are wrong whatever the model (raw inputs)."""
+    backend = args.kv_backend
+    problems = []
+    if args.ulacache_config not in (None, "") and backend != "ulacache":
+        problems.append(
+            f"--ulacache-config is only read with --kv-backend ulacache (got {backend})"
+        )
+    if backend == "default":
+        return problems
+    if getattr(args, "dcp_size", 1) and args.dcp_size > 1:
+        problems.append(f"--dcp-size {args.dcp_size} (HiSparse host pools have no DCP layout)")
+    if getattr(args, "enable_kv_cache_sharding", False):
+        problems.append("--enable-kv-cache-sharding (HiSparse excludes KV sharding)")
+    if backend == "ulacache" and getattr(args, "use_ray", False):
+        problems.append(
+            "--use-ray (SGLang's Ray scheduler actor never calls load_plugins(), so the ulacache "
+            "classes would not be installed in the schedulers)"
+        )
+    return problems
+
+
+class UlaServerArgs(_sglang_server_args.ServerArgs):
+    """SGLang ``ServerArgs`` plus ``kv_backend`` and ``ulacache_config`` (namespace ``memory``)."""
+
+    kv_backend: A[str, Arg(help=_KV_BACKEND_HELP, choices=list(KV_BACKENDS)), NS("memory")] = (
+        "default"
+    )
+    ulacache_config: A[Optional[str], Arg(help=_ULACACHE_CONFIG_HELP), NS("memory")] = None
+
+    def __post_init__(self):
+        """Validate the two fields, turn on HiSparse paths, export the backend choice.
+
+        Raises:
+            ConfigError (a ``ValueError``): unknown backend, malformed ``ulacache_config``, or an
+                illegal combination; the message names the legal values or combinations.
+        """
+        super().__post_init__()
+        if self.kv_backend not in KV_BACKENDS:
+            raise ConfigError(
+                f"--kv-backend must be one of {', '.join(KV_BACKENDS)}; got {self.kv_backend!r}"
+            )
+        if isinstance(self.ulacache_config, dict):
+            # Engine(ulacache_config={...}): keep the field a string so it pickles and prints
+            # like a CLI value.
+            self.ulacache_config = json.dumps(self.ulacache_config, sort_keys=True)
+        config = parse_ulacache_config(self.ulacache_config)
+        problems = _illegal_raw_combinations(self)
+        if problems:
+            raise ConfigError(
+                f"--kv-backend {self.kv_backend} cannot be combined with: "
+                + "; ".join(problems)
+                + ". Legal: --kv-backend hisparse|ulacache with --dcp-size 1 and without "
+                "--enable-kv-cache-sharding"
+                + (" or --use-ray; " if self.kv_backend == "ulacache" else "; ")
+                + "--ulacache-config only with --kv-backend ulacache."
+            )
+        if self.kv_backend == "ulacache":
+            _validate_content(config)
+        if self.kv_backend in HISPARSE_BACKENDS and not self.enable_hisparse:
+            self.enable_hisparse = True
+            logger.debug("--kv-backend %s: enable_hisparse set to True", self.kv_backend)
+        os.environ[ENV_KV_BACKEND] = self.kv_backend
+
+    def ulacache_settings(self) -> dict[str, Any]:
+        """The parsed ``--ulacache-config`` object (``{}`` when unset)."""
+        return parse_ulacache_config(self.ulacache_config)
+
+
+def stock_server_args_class() -> type:
+    """SGLang's own ``ServerArgs`` (the base of :class:`UlaServerArgs`).
+
+    Module-level aliases of the stock class are rebound to the replacement by SGLang's hook
+    propagation, so the base is read from the MRO instead.
+    """
+    return UlaServerArgs.__mro__[1]
+
+
+def kv_backend_of(record: Any) -> str:
+    """``kv_backend`` of a record or view; ``"default"`` for records without the field."""
+    return getattr(record, "kv_backend", "default") or "default"
+
+
+def validate_hisparse_around(original_fn, server_args, *args, **kwargs):
+    """AROUND hook for ``sglang.srt.arg_groups.hisparse_hook.validate_hisparse``.
+
+    ``server_args`` is the ``ResolvedView`` SGLang's post-process pass hands in (model config
+    resolvable through ``model_config_of``). For ``--kv-backend ulacache`` it first requires a
+    DSA model whose pool goes through ``_build_dsa_kv_pool``, then runs HiSparse's checks,
+    re-raising their bare assertions as ``ConfigError`` naming the backend.
+    """
+    backend = kv_backend_of(server_args)
+    if backend != "ulacache":
+        return original_fn(server_args, *args, **kwargs)
+    if getattr(server_args, "enable_hisparse", False):
+        _require_supported_model(server_args)
+    try:
+        return original_fn(server_args, *args, **kwargs)
+    except (AssertionError, ValueError, NotImplementedError) as exc:
+        raise ConfigError(
+            f"--kv-backend ulacache runs on SGLang's HiSparse paths and inherits their "
+            f"constraints: {exc or type(exc).__name__}. Legal combination: a DSA model "
+            "(DeepSeek-V3.2, GLM-5.x, ...), --disable-radix-cache, no --enable-mixed-chunk, "
+            "speculative decoding only with --speculative-eagle-topk 1 and without "
+            "--speculative-adaptive, --kv-cache-dtype bfloat16 (--dsa-*-backend flashmla_sparse) "
+            "or fp8_e4m3 (flashmla_kv / flashinfer_sparse_mla)."
+        ) from exc
+
+
+def _require_supported_model(view: Any) -> None:
+    """Raise ``ConfigError`` unless the model is a DSA model ulacache can serve."""
+    from sglang.srt.arg_groups.model_override_base import model_config_of  # noqa: PLC0415
+    from sglang.srt.configs.model_config import is_deepseek_dsa  # noqa: PLC0415
+
+    hf_config = model_config_of(view).hf_config
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    arch = archs[0] if archs else getattr(hf_config, "model_type", "?")
+    if not is_deepseek_dsa(hf_config):
+        raise ConfigError(
+            f"--kv-backend ulacache needs a DSA (DeepSeek Sparse Attention) model, i.e. an "
+            f"architecture such as DeepseekV32ForCausalLM or GlmMoeDsaForCausalLM with "
+            f"'index_topk' in its config; got {arch}. DeepSeek-V4 and MiniMax-M3 sparse "
+            "models are served by --kv-backend hisparse; other models by --kv-backend default."
+        )
+    if arch in _ULACACHE_UNSUPPORTED_DSA_ARCHS:
+        raise ConfigError(
+            f"--kv-backend ulacache does not support {arch}: its hybrid linear-attention KV pool "
+            "is not built through the DSA pool path. Use --kv-backend hisparse or default."
+        )

@@ -1,0 +1,122 @@
+"""Check that the hooks ulacache registered with SGLang's ``HookRegistry`` took effect.
+
+SGLang's ``HookRegistry.apply_hooks()`` only *logs* a target it cannot patch (a missing optional
+dependency surfaces as an ``AttributeError`` on a module path, a target already patched by another
+plugin is silently skipped, a typo in a dotted path is logged and forgotten). A KV-cache backend
+that silently falls back to stock HiSparse would produce plausible but wrong measurements, so the
+plugin records what it registered (:class:`ExpectedHook`) and this module resolves every target
+again after ``apply_hooks()`` and checks that what sits there now is ours:
+
+* class REPLACE: the attribute *is* our class;
+* function REPLACE / BEFORE / AFTER / AROUND: the attribute (unwrapped from ``classmethod`` /
+  ``staticmethod``) is a wrapper chain built by SGLang's ``_wrap_fn`` (each link has
+  ``__wrapped__``) and one link's closure holds our hook object.
+
+The module imports nothing from SGLang at import time; it only needs ``pkgutil``.
+"""
+
+from __future__ import annotations
+
+import logging
+import pkgutil
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ExpectedHook", "HookVerificationError", "hook_in_place", "verify_hooks"]
+
+
+class HookVerificationError(RuntimeError):
+    """One or more hooks registered by ulacache are not in effect."""
+
+
+@dataclass(frozen=True)
+class ExpectedHook:
+    """A hook ulacache registered: where, what, and how (``"replace"``, ``"around"``, ...)."""
+
+    target: str
+    hook: Any
+    hook_type: str
+
+    def describe(self) -> str:
+        """Short human-readable form used in error messages."""
+        name = getattr(self.hook, "__qualname__", None) or repr(self.hook)
+        module = getattr(self.hook, "__module__", "?")
+        return f"{self.hook_type.upper()} {self.target} -> {module}.{name}"
+
+
+def _resolve_current(target: str) -> Any:
+    """Return the object now bound at ``target`` (raw ``__dict__`` entry for class attributes)."""
+    obj_path, attr = target.rsplit(".", 1)
+    owner = pkgutil.resolve_name(obj_path)
+    if isinstance(owner, type):
+        # Walk the MRO ourselves so that classmethod / staticmethod wrappers stay visible.
+        for klass in owner.__mro__:
+            if attr in klass.__dict__:
+                raw = klass.__dict__[attr]
+                if isinstance(raw, (classmethod, staticmethod)):
+                    return raw.__func__
+                return raw
+    return getattr(owner, attr)
+
+
+def _chain_holds(fn: Any, hook: Any, max_depth: int = 32) -> bool:
+    """True when ``hook`` is captured in the closure of ``fn`` or of a ``__wrapped__`` link."""
+    seen = 0
+    while fn is not None and seen < max_depth:
+        if fn is hook:
+            return True
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                if cell.cell_contents is hook:
+                    return True
+            except ValueError:  # empty cell
+                continue
+        fn = getattr(fn, "__wrapped__", None)
+        seen += 1
+    return False
+
+
+def hook_in_place(expected: ExpectedHook) -> tuple[bool, str]:
+    """Check one hook. Returns ``(ok, reason)``; ``reason`` is empty when ``ok``."""
+    try:
+        current = _resolve_current(expected.target)
+    except Exception as exc:  # noqa: BLE001 - any resolution failure means "not in place"
+        return False, f"target cannot be resolved: {type(exc).__name__}: {exc}"
+    if isinstance(expected.hook, type):
+        if current is expected.hook:
+            return True, ""
+        return False, f"target is {_name(current)}, not {_name(expected.hook)}"
+    if _chain_holds(current, expected.hook):
+        return True, ""
+    return False, f"target is {_name(current)}, whose wrapper chain does not hold the hook"
+
+
+def _name(obj: Any) -> str:
+    """``module.qualname`` of an object, for messages."""
+    mod = getattr(obj, "__module__", "?")
+    qual = getattr(obj, "__qualname__", None) or type(obj).__qualname__
+    return f"{mod}.{qual}"
+
+
+def verify_hooks(expected: Iterable[ExpectedHook]) -> None:
+    """Raise :class:`HookVerificationError` naming every hook of ``expected`` not in effect.
+
+    Call it after ``HookRegistry.apply_hooks()``. The message points at SGLang's log, where
+    ``apply_hooks`` wrote the original exception ("Failed to apply hooks to <target>").
+    """
+    failures = []
+    for exp in expected:
+        ok, reason = hook_in_place(exp)
+        if not ok:
+            failures.append(f"  - {exp.describe()}: {reason}")
+    if failures:
+        raise HookVerificationError(
+            "ulacache: SGLang did not apply these plugin hooks (HookRegistry.apply_hooks only "
+            "logs such failures; look for 'Failed to apply hooks to' above, typically an "
+            "ImportError of an optional dependency, or another plugin patching the same "
+            "target first):\n" + "\n".join(failures)
+        )
+    logger.debug("ulacache: all plugin hooks verified")
