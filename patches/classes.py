@@ -50,6 +50,7 @@ def sglang_options() -> SGLangOptions:
     """The ``--ulacache-config`` of this launch (defaults when none is published)."""
     try:
         from sglang.srt.runtime_context import get_server_args
+
         from ulacache.patches.server_args import parse_ulacache_config
 
         raw = getattr(get_server_args(), "ulacache_config", None)

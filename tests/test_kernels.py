@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import ulacache.kernels.pinned as pinned
-from ulacache.kernels import cuda_rows, dispatch, peer_reference, reference
 
+import ulacache.kernels.pinned as pinned
 from ulacache.errors import ShapeError
+from ulacache.kernels import cuda_rows, dispatch, peer_reference, reference
 
 HAS_CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu

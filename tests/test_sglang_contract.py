@@ -32,13 +32,13 @@ class Harness:
 
     def __init__(self, shared: bool, n_slots: int = 512, cpu_ratio: int = 3, max_reqs: int = 4):
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+        from ulacache.config import SGLangOptions
         from ulacache.patches.classes import (
             UlaCacheCoordinator,
             UlaCacheDSATokenToKVPool,
             UlaCacheTokenToKVPoolAllocator,
         )
-
-        from ulacache.config import SGLangOptions
 
         opts = SGLangOptions(cpu_ratio=cpu_ratio, n_buckets=4, validate=True)
         ratio = opts.host_to_device_ratio

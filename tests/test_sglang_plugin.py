@@ -23,6 +23,8 @@ import pytest
 pytest.importorskip("sglang")
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # noqa: E402
+
+from ulacache.errors import ConfigError  # noqa: E402
 from ulacache.patches import plugin  # noqa: E402
 from ulacache.patches import server_args as ula_args  # noqa: E402
 from ulacache.patches.verify import (  # noqa: E402
@@ -30,8 +32,6 @@ from ulacache.patches.verify import (  # noqa: E402
     HookVerificationError,
     verify_hooks,
 )
-
-from ulacache.errors import ConfigError  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 
