@@ -298,3 +298,21 @@ def test_free_and_abort_return_everything():
     for g in c.groups:
         assert int((g.gpu_owner[: g.G] >= 0).sum()) == 0 and int(g.pools.cpu_top) == g.C
     assert c.free_capacity == c.config.unique_capacity
+
+
+def test_prometheus_text_reports_counters_and_bytes():
+    from ulacache.metrics import prometheus_text
+
+    c = make(gpu_slots=16, cpu_slots=64)
+    c.admit("a", 40)
+    for _ in range(3):
+        c.begin_round()
+        fill(c, c.extend("a", 10))
+    c.begin_round()
+    c.access(0, c.addresses("a")[:12].view(1, -1))
+    text = prometheus_text(c)
+    g = c.groups[0].counter_values()
+    assert f'ulacache_promotions_total{{group="0"}} {g["promotions"]}' in text
+    assert f'ulacache_bytes_moved_total{{group="0",link="h2d"}} {g["promotions"] * RB}' in text
+    assert 'ulacache_gpu_used_slots{group="0"} 16' in text
+    assert "# TYPE ulacache_spills_total counter" in text
