@@ -251,6 +251,7 @@ class UlaCacheTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
             return None
         self.core.begin_round()
         try:
+            self.core.check_room(locs.numel())  # prefill runs eagerly: a host check is fine here
             self.core.place(locs)
         except CapacityExhausted as exc:
             logger.warning("ulacache: prefill batch does not fit this round's GPU room (%s)", exc)

@@ -70,11 +70,23 @@ class ReplacementPolicy(ABC):
     @abstractmethod
     def eligible(self) -> torch.Tensor: ...
 
-    @abstractmethod
-    def in_current_round(self, slots: torch.Tensor) -> torch.Tensor: ...
+    # Both policies keep ``stamp int64 [n_slots + 1]`` (last-touch round) and the round counter
+    # twice: ``round_t`` on the device for the graph-safe path, ``_round`` on the host.
+    stamp: torch.Tensor
+    round_t: torch.Tensor
+    _round: int
 
-    @abstractmethod
-    def advance(self) -> None: ...
+    def in_current_round(self, slots: torch.Tensor) -> torch.Tensor:
+        valid, s = self._slots(slots)
+        return valid & (self.stamp[s] == self.round_t)
+
+    def advance(self) -> None:
+        self._round += 1
+        self.round_t.fill_(self._round)
+        self._retire()
+
+    def _retire(self) -> None:  # noqa: B027 - optional hook, a no-op for exact LRU
+        """Policy-specific work when a round starts (after the counter moved)."""
 
     @abstractmethod
     def used_mask(self) -> torch.Tensor:
@@ -237,13 +249,7 @@ class PBLRU(ReplacementPolicy):
         rows = self._victim_rows()
         return self.super_counts.index_select(0, rows)[:, : self.n_super].sum(dtype=torch.int64)
 
-    def in_current_round(self, slots: torch.Tensor) -> torch.Tensor:
-        valid, s = self._slots(slots)
-        return valid & (self.stamp[s] == self.round_t)
-
-    def advance(self) -> None:
-        self._round += 1
-        self.round_t.fill_(self._round)
+    def _retire(self) -> None:
         row = 2 + self._round % self.n_buckets  # becomes current: its members retire to cold
         self.bits[1].add_(self.bits[row])  # disjoint sets: add == OR, no carries
         self.counts[1].add_(self.counts[row])
@@ -309,14 +315,6 @@ class ExactLRU(ReplacementPolicy):
 
     def eligible(self) -> torch.Tensor:
         return (self.stamp[: self.n_slots] != self.round_t).sum(dtype=torch.int64)
-
-    def in_current_round(self, slots: torch.Tensor) -> torch.Tensor:
-        valid, s = self._slots(slots)
-        return valid & (self.stamp[s] == self.round_t)
-
-    def advance(self) -> None:
-        self._round += 1
-        self.round_t.fill_(self._round)
 
     def used_mask(self) -> torch.Tensor:
         return self.stamp[: self.n_slots] >= 0
