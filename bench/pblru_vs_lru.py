@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--history", type=int, default=131072, help="tokens per request")
     ap.add_argument("--keep", type=float, default=0.85, help="consecutive-step overlap")
     ap.add_argument("--buckets", type=int, default=64, help="PB-LRU recent buckets n_b")
-    ap.add_argument("--steps", type=int, default=12, help="timed steps per size")
+    ap.add_argument("--steps", type=int, default=96,
+                    help="timed steps per size (more than n_b, so buckets age into cold)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (0: torch default)")

@@ -289,7 +289,9 @@ def format_stats(stats: dict) -> str:
     hr = stats.get("hit_rate") or {}
     if hr:
         sizes = sorted({s for by in hr.values() for s in by})
-        lines.append("hit rate (mean over layers [min-max])")
+        layers = stats.get("hit_layers")
+        which = f"layers {layers}" if layers and len(layers) < stats["layers"] else "all layers"
+        lines.append(f"hit rate, GPU slots per layer (mean over {which} [min-max])")
         lines.append(f"{'policy':<8}" + "".join(f"{s:>20}" for s in sizes))
         for policy, by in hr.items():
             cells = "".join(

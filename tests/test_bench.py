@@ -1,0 +1,25 @@
+"""The PB-LRU vs LRU benchmark runs end to end at toy sizes and keeps its JSON contract."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_pblru_vs_lru_json_contract():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "pblru_vs_lru.py"), "--json", "--sizes", "10,12",
+         "--batch", "4", "--topk", "64", "--history", "4096", "--steps", "6", "--warmup", "1",
+         "--buckets", "4"],
+        capture_output=True, text=True, check=True, timeout=300)
+    rows = json.loads(out.stdout)["rows"]
+    assert [r["slots"] for r in rows] == [1024, 4096]
+    for r in rows:
+        assert set(r) == {"slots", "pblru_ms_per_step", "lru_ms_per_step", "pblru_hit_rate",
+                          "lru_hit_rate"}
+        assert r["pblru_ms_per_step"] > 0 and r["lru_ms_per_step"] > 0
+        assert 0 <= r["pblru_hit_rate"] <= 1 and 0 <= r["lru_hit_rate"] <= 1
