@@ -29,12 +29,15 @@ def masked_index(idx: torch.Tensor, scratch: int) -> torch.Tensor:
     return torch.where(idx >= 0, idx, torch.full_like(idx, scratch))
 
 
-def _valid_pairs(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _valid_pairs(a: torch.Tensor, b: torch.Tensor, a_scratch: int,
+                 b_scratch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pairs with both indices ``>= 0``: compacted on CPU; on other devices every pair is
+    kept (fixed shape, no sync) and the masked ones are redirected to the scratch rows."""
     keep = (a >= 0) & (b >= 0)
     if a.device.type == "cpu":
         nz = keep.nonzero().squeeze(1)
         return a.index_select(0, nz), b.index_select(0, nz)
-    return masked_index(torch.where(keep, a, -1), -1), masked_index(torch.where(keep, b, -1), -1)
+    return torch.where(keep, a, a_scratch), torch.where(keep, b, b_scratch)
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -56,10 +59,7 @@ def gather_rows(
     dst : ``uint8 [L, D + 1, row_bytes]`` destination pool.
     dst_idx : ``int64 [n]`` destination rows, ``-1`` = skip; distinct among valid entries.
     """
-    s, d = _valid_pairs(src_idx, dst_idx)
-    if s.device.type != "cpu":
-        s = torch.where(s >= 0, s, src.shape[1] - 1)
-        d = torch.where(d >= 0, d, dst.shape[1] - 1)
+    s, d = _valid_pairs(src_idx, dst_idx, src.shape[1] - 1, dst.shape[1] - 1)
     rows = src.index_select(1, s.to(src.device))
     dst.index_copy_(1, d.to(dst.device), _to(rows, dst.device))
 
@@ -74,10 +74,7 @@ def swap_rows(
     before either write. ``gpu_idx`` and ``cpu_idx`` are ``int64 [n]``, distinct among valid
     entries; a pair with either side ``-1`` is skipped.
     """
-    g, c = _valid_pairs(gpu_idx, cpu_idx)
-    if g.device.type != "cpu":
-        g = torch.where(g >= 0, g, gpu.shape[1] - 1)
-        c = torch.where(c >= 0, c, cpu.shape[1] - 1)
+    g, c = _valid_pairs(gpu_idx, cpu_idx, gpu.shape[1] - 1, cpu.shape[1] - 1)
     g_dev, c_dev = g.to(gpu.device), c.to(cpu.device)
     promoted = _to(cpu.index_select(1, c_dev), gpu.device)
     victims = _to(gpu.index_select(1, g_dev), cpu.device)
