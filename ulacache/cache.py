@@ -22,6 +22,7 @@ from .address import PageAllocator, addresses_of
 from .config import UlaCacheConfig
 from .errors import CapacityExhausted, DoubleFreeError, ShapeError, UnknownRequest
 from .group import SelectionGroup
+from .pools import resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class UlaCache:
         (``uint8 [L_g, G + 1, row_bytes]``); ``n_logical`` sizes the address space when an
         engine allocates logical addresses itself (then the page allocator here is unused)."""
         self.config = config
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         P = config.page_size
         self.pages = PageAllocator(config.n_logical_pages, P)
         self.n_logical = n_logical if n_logical is not None else config.n_logical_pages * P

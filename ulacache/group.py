@@ -22,7 +22,7 @@ from ulacache.kernels.dispatch import gather_rows, swap_rows
 
 from .errors import AddressError, CapacityExhausted, ShapeError
 from .pblru import ReplacementPolicy, make_policy
-from .pools import TierPools
+from .pools import TierPools, resolve_device
 
 # Counter slots of SelectionGroup.counters (device int64, read out of the decode path).
 COUNTERS = ("accesses", "gpu_hits", "promotions", "writebacks", "spills", "placed", "overflow")
@@ -49,7 +49,7 @@ class SelectionGroup:
                  row_bytes: int, device: torch.device | str = "cpu", policy: str = "pblru",
                  n_buckets: int = 64, validate: bool = True,
                  gpu_storage: torch.Tensor | None = None):
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.layers = list(layers)
         self.layer_index = {layer: i for i, layer in enumerate(self.layers)}
         self.n_logical, self.G, self.C = n_logical, gpu_slots, cpu_slots

@@ -23,6 +23,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from .errors import ShapeError
+from .pools import resolve_device
 
 __all__ = ["ReplacementPolicy", "PBLRU", "ExactLRU", "make_policy"]
 
@@ -130,7 +131,7 @@ class PBLRU(ReplacementPolicy):
         if n_slots < 1 or n_buckets < 2:
             raise ValueError("PBLRU needs n_slots >= 1 and n_buckets >= 2")
         self.n_slots, self.n_buckets = int(n_slots), int(n_buckets)
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.n_super = -(-self.n_slots // (_WORD_BITS * _SUPER))
         self.n_words = self.n_super * _SUPER  # padded to whole superblocks
         rows = self.n_buckets + 2
@@ -288,7 +289,7 @@ class ExactLRU(ReplacementPolicy):
 
     def __init__(self, n_slots: int, device: torch.device | str = "cpu"):
         self.n_slots = int(n_slots)
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.stamp = torch.full((self.n_slots + 1,), -1, dtype=torch.int64, device=self.device)
         self.round_t = torch.zeros((), dtype=torch.int64, device=self.device)
         self._round = 0

@@ -19,6 +19,7 @@ from typing import Iterable
 import torch
 
 from .pblru import make_policy
+from .pools import resolve_device
 
 
 @dataclass
@@ -48,7 +49,7 @@ class ResidencySim:
 
     def __init__(self, policy: str, n_slots: int, n_buckets: int = 64,
                  device: torch.device | str = "cpu"):
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.n_slots = n_slots
         self.policy = make_policy(policy, n_slots, n_buckets, self.device)
         self.slot_of = torch.full((1025,), -1, dtype=torch.int64, device=self.device)

@@ -22,6 +22,15 @@ from .errors import ShapeError
 logger = logging.getLogger(__name__)
 
 
+def resolve_device(device: torch.device | str) -> torch.device:
+    """``"cuda"`` -> ``cuda:<current>``: tensors report an indexed device, and the core compares
+    devices to reject misplaced inputs."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def host_rows(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """A ``uint8`` host tensor for the CPU tier: exact-size pinned memory when the GPU pool is
     on CUDA (so kernels can read it directly), plain memory otherwise."""
@@ -48,7 +57,7 @@ class TierPools:
 
     def __init__(self, n_layers: int, gpu_slots: int, cpu_slots: int, row_bytes: int,
                  device: torch.device | str = "cpu", gpu_storage: torch.Tensor | None = None):
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.n_layers, self.row_bytes = n_layers, row_bytes
         self.n_gpu, self.n_cpu = gpu_slots, cpu_slots
         shape = (n_layers, gpu_slots + 1, row_bytes)
