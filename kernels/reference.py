@@ -29,12 +29,17 @@ def masked_index(idx: torch.Tensor, scratch: int) -> torch.Tensor:
     return torch.where(idx >= 0, idx, torch.full_like(idx, scratch))
 
 
+COMPACT_ON_CPU = True
+"""Compact valid pairs on CPU tensors (cheap there, and no device to synchronise). Tests turn it
+off to run the fixed-shape form, the one CUDA uses, on CPU."""
+
+
 def _valid_pairs(a: torch.Tensor, b: torch.Tensor, a_scratch: int,
                  b_scratch: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The pairs with both indices ``>= 0``: compacted on CPU; on other devices every pair is
     kept (fixed shape, no sync) and the masked ones are redirected to the scratch rows."""
     keep = (a >= 0) & (b >= 0)
-    if a.device.type == "cpu":
+    if a.device.type == "cpu" and COMPACT_ON_CPU:
         nz = keep.nonzero().squeeze(1)
         return a.index_select(0, nz), b.index_select(0, nz)
     return torch.where(keep, a, a_scratch), torch.where(keep, b, b_scratch)
