@@ -30,7 +30,8 @@ def published_args():
 class Harness:
     """Plays SGLang's side: req_to_token bookkeeping, KV writes, top-k positions."""
 
-    def __init__(self, shared: bool, n_slots: int = 512, cpu_ratio: int = 3, max_reqs: int = 4):
+    def __init__(self, shared: bool, n_slots: int = 512, cpu_ratio: int = 3, max_reqs: int = 4,
+                 validate: bool = True):
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
         from ulacache.config import SGLangOptions
@@ -40,7 +41,7 @@ class Harness:
             UlaCacheTokenToKVPoolAllocator,
         )
 
-        opts = SGLangOptions(cpu_ratio=cpu_ratio, n_buckets=4, validate=True)
+        opts = SGLangOptions(cpu_ratio=cpu_ratio, n_buckets=4, validate=validate)
         ratio = opts.host_to_device_ratio
         self.rtp = ReqToTokenPool(size=max_reqs, max_context_len=4096, device="cpu",
                                   enable_memory_saver=False)
@@ -265,3 +266,31 @@ def test_extra_hooks_track_layer_and_size_from_cpu_ratio(monkeypatch):
     monkeypatch.setattr(classes, "sglang_options", lambda: SGLangOptions(cpu_ratio=6))
     parse = classes.EXTRA_HOOKS["sglang.srt.mem_cache.sparsity.factory.parse_hisparse_config"][0]
     assert parse(lambda: SparseConfig()).host_to_device_ratio == 7
+
+
+def test_swap_in_is_sync_free_and_fixed_shape(monkeypatch):
+    """What runs inside SGLang's decode CUDA graph (``swap_in_selected_pages`` on the anchor
+    layer) issues no syncing op, and its op sequence and shapes do not depend on the data."""
+    import ulacache.kernels.reference as ref
+
+    from .test_graph_safety import SYNCING, OpLog
+
+    monkeypatch.setattr(ref, "COMPACT_ON_CPU", False)
+    h = Harness(False, validate=False)
+    for idx, n in ((1, 300), (2, 420)):
+        h.prefill(idx, n, chunk=200)
+    h.coord.collect_ready_reqs()
+    logs = []
+    for _ in range(2):
+        h.decode_step([1, 2])  # checks the bytes behind the returned rows
+        ri = torch.tensor([1, 2, 0])
+        topk = torch.full((3, K), -1, dtype=torch.int32)
+        for b, i in enumerate((1, 2)):
+            topk[b, :K - 2] = torch.randperm(h.lens[i], generator=h.gen)[:K - 2].to(torch.int32)
+        h.coord.num_real_reqs.fill_(2)
+        log = OpLog()
+        with log:
+            h.coord.swap_in_selected_pages(ri, torch.tensor([1, 1, 1]), topk, 0)
+        logs.append(log.ops)
+    assert not {op for op, _ in logs[0]} & SYNCING
+    assert logs[0] == logs[1]
