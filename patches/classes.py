@@ -244,7 +244,18 @@ class UlaCacheTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
 
     def alloc_extend(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc,
                      extend_num_tokens):
-        """Prefill: logical addresses, then a GPU slot for each in every group (new round)."""
+        """Prefill: logical addresses, then a GPU slot for each in every group (new round).
+
+        The prefill attention of this batch may select any token of its requests, and all of
+        them must be GPU-resident in the same round: a batch whose total length exceeds the GPU
+        pool is refused (``None``, SGLang's out-of-memory path) instead of served wrongly.
+        """
+        total = int(seq_lens_cpu.sum())
+        if total > self.core.config.gpu_slots:
+            logger.warning("ulacache: prefill batch spans %d tokens, more than the %d-slot GPU "
+                           "pool; lower --chunked-prefill-size / the prompt length, or give the "
+                           "KV cache more memory", total, self.core.config.gpu_slots)
+            return None
         locs = self.logical_attn_allocator.alloc_extend(
             prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens)
         if locs is None:

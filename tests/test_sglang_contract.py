@@ -294,3 +294,14 @@ def test_swap_in_is_sync_free_and_fixed_shape(monkeypatch):
         logs.append(log.ops)
     assert not {op for op, _ in logs[0]} & SYNCING
     assert logs[0] == logs[1]
+
+
+def test_prefill_longer_than_gpu_pool_is_refused_not_corrupted():
+    h = Harness(False)
+    z = torch.zeros(1, dtype=torch.int64)
+    before = h.alloc.available_size()
+    n = 600  # > 512 GPU slots: its prefill attention could not have every token resident
+    assert h.alloc.alloc_extend(z, z, torch.tensor([n]), torch.tensor([n]), torch.tensor([-1]),
+                                n) is None
+    assert h.alloc.available_size() == before
+    h.check()
