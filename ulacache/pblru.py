@@ -34,7 +34,7 @@ _FREE_STAMP = -(2**62)
 
 def _byte_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``POPCOUNT[256]`` and ``SELECT[256, 8]`` (position of the r-th set bit of a byte)."""
-    popcount = torch.tensor([bin(v).count("1") for v in range(256)], dtype=torch.int64)
+    popcount = torch.tensor([bin(v).count("1") for v in range(256)], dtype=torch.int32)
     select = torch.zeros(256, 8, dtype=torch.int64)
     for v in range(256):
         ones = [b for b in range(8) if v >> b & 1]
@@ -150,25 +150,33 @@ class PBLRU(ReplacementPolicy):
         self._recent_age = torch.arange(1, self.n_buckets, device=self.device)
         self._head = torch.tensor([0, 1], dtype=torch.int64, device=self.device)
         all_slots = torch.arange(self.n_slots, device=self.device)
-        self._set_bits(torch.zeros_like(all_slots), all_slots, +1)  # everything starts free
+        self._set_bits(torch.zeros_like(all_slots), all_slots)  # everything starts free
 
     # -- bit plumbing -------------------------------------------------------------------
-    def _set_bits(self, rows: torch.Tensor, slots: torch.Tensor, sign: int,
-                  mask: torch.Tensor | None = None) -> None:
-        """Add (sign=+1) or remove (-1) ``slots`` to/from bucket ``rows``; masked entries go to
-        the scratch word. Caller guarantees each (row, slot) bit is absent/present."""
+    def _set_bits(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Add ``slots`` (all absent from every row) to bucket ``rows`` (initial fill)."""
+        self._move_bits(slots, None, rows, torch.ones_like(slots, dtype=torch.bool))
+
+    def _move_bits(self, slots: torch.Tensor, src_rows: torch.Tensor | None,
+                   dst_rows: torch.Tensor, mask: torch.Tensor) -> None:
+        """Move ``slots`` from bucket ``src_rows`` to ``dst_rows`` where ``mask``: clear the old
+        bit and set the new one (+/- 2**bit scatter-adds: no carries, the caller guarantees the
+        old bit is set and the new one clear), keeping word and superblock counts in step.
+        Masked entries land in the scratch word / superblock. One scatter per table."""
         word = torch.div(slots, _WORD_BITS, rounding_mode="floor")
-        bit = slots - word * _WORD_BITS
-        value = torch.bitwise_left_shift(torch.ones_like(bit), bit) * sign
-        ones = torch.full_like(word, sign, dtype=torch.int32)
-        sup = torch.div(word, _SUPER, rounding_mode="floor")
-        if mask is not None:  # masked entries land in the scratch word / superblock
-            word = torch.where(mask, word, self.n_words)
-            sup = torch.where(mask, sup, self.n_super)
-        flat = rows * (self.n_words + _SUPER) + word
+        value = torch.bitwise_left_shift(torch.ones_like(word), slots - word * _WORD_BITS)
+        sup = torch.where(mask, torch.div(word, _SUPER, rounding_mode="floor"), self.n_super)
+        word = torch.where(mask, word, self.n_words)
+        ones = torch.ones_like(word, dtype=torch.int32)
+        w1, s1 = self.n_words + _SUPER, self.n_super + 1
+        flat, flat_sup = dst_rows * w1 + word, dst_rows * s1 + sup
+        if src_rows is not None:
+            flat = torch.cat([src_rows * w1 + word, flat])
+            flat_sup = torch.cat([src_rows * s1 + sup, flat_sup])
+            value, ones = torch.cat([-value, value]), torch.cat([-ones, ones])
         self.bits.view(-1).scatter_add_(0, flat, value)
         self.counts.view(-1).scatter_add_(0, flat, ones)
-        self.super_counts.view(-1).scatter_add_(0, rows * (self.n_super + 1) + sup, ones)
+        self.super_counts.view(-1).scatter_add_(0, flat_sup, ones)
 
     def _row_of(self, stamp: torch.Tensor) -> torch.Tensor:
         """Bucket row (0 free, 1 cold, 2 + i recent) of slots with these stamps."""
@@ -182,20 +190,18 @@ class PBLRU(ReplacementPolicy):
     # -- interface ----------------------------------------------------------------------
     def touch(self, slots: torch.Tensor) -> None:
         valid, s = self._slots(slots)
-        old_row = self._row_of(self.stamp[s])
-        cur = self._current_row()
-        move = valid & (old_row != cur)
-        self._set_bits(old_row, s, -1, move)
-        self._set_bits(cur.expand_as(s), s, +1, move)
-        self.stamp.index_put_((s,), torch.where(valid, self.round_t, self.stamp[s]))
+        stamp = self.stamp[s]
+        move = valid & (stamp != self.round_t)  # in the current bucket iff touched this round
+        self._move_bits(s, self._row_of(stamp), self._current_row().expand_as(s), move)
+        self.stamp.index_put_((torch.where(move, s, self.n_slots),), self.round_t.expand_as(s))
 
     def release(self, slots: torch.Tensor) -> None:
         valid, s = self._slots(slots)
         old_row = self._row_of(self.stamp[s])
         move = valid & (old_row != 0)
-        self._set_bits(old_row, s, -1, move)
-        self._set_bits(torch.zeros_like(s), s, +1, move)
-        self.stamp.index_put_((s,), torch.where(valid, _FREE_STAMP, self.stamp[s]))
+        self._move_bits(s, old_row, torch.zeros_like(s), move)
+        self.stamp.index_put_((torch.where(move, s, self.n_slots),),
+                              torch.full_like(s, _FREE_STAMP))
 
     def _victim_rows(self) -> torch.Tensor:
         """``int64 [n_b + 1]`` bucket rows in victim order: free, cold, oldest .. newest recent
@@ -222,14 +228,18 @@ class PBLRU(ReplacementPolicy):
         row = rows[torch.div(sb, self.n_super, rounding_mode="floor")]
         sb_local = torch.remainder(sb, self.n_super)
         # Level 2: the word inside the superblock, then the bit inside the word.
-        wc = self.counts.view(self.counts.shape[0], self.n_super + 1, _SUPER)[row, sb_local]
+        block = row * (self.n_super + 1) + sb_local  # one contiguous 16-word block per rank
+        wc = self.counts.view(-1, _SUPER).index_select(0, block)
         wends = torch.cumsum(wc, 1, dtype=torch.int32)
         r1 = r1.to(torch.int32)  # same dtype as wends: no promotion copies of [n, 16]
-        which = (wends <= r1.unsqueeze(1)).sum(1, dtype=torch.int64).clamp(max=_SUPER - 1)
+        # words whose running count is <= r1 come before the one holding rank r1
+        which = torch.searchsorted(wends, r1.unsqueeze(1), right=True).squeeze(1)
+        which = which.clamp(max=_SUPER - 1)
         before = torch.where(which > 0, wends.gather(1, (which - 1).clamp(min=0).unsqueeze(1))
                              .squeeze(1), 0)
         word = sb_local * _SUPER + which
-        bit = self._select_bit(self.bits[row, word], r1 - before)
+        words = self.bits.view(-1).index_select(0, row * (self.n_words + _SUPER) + word)
+        bit = self._select_bit(words, r1 - before)
         slot = word * _WORD_BITS + bit
         return torch.where(ranks < total, slot, -1)
 
@@ -239,7 +249,7 @@ class PBLRU(ReplacementPolicy):
         byte = torch.bitwise_and(torch.bitwise_right_shift(words.unsqueeze(1), shifts), 255)
         ends = torch.cumsum(self._popcount[byte], 1, dtype=torch.int32)
         r = r.to(torch.int32)
-        which = (ends <= r.unsqueeze(1)).sum(1, dtype=torch.int64).clamp(max=7)
+        which = torch.searchsorted(ends, r.unsqueeze(1), right=True).squeeze(1).clamp(max=7)
         before = torch.where(which > 0, ends.gather(1, (which - 1).clamp(min=0).unsqueeze(1))
                              .squeeze(1), 0)
         r_in_byte = (r - before).clamp(0, 7).to(torch.int64)
@@ -274,7 +284,7 @@ class PBLRU(ReplacementPolicy):
         expected.counts = torch.zeros_like(self.counts)
         expected.super_counts = torch.zeros_like(self.super_counts)
         slots = torch.arange(self.n_slots, device=self.device)
-        expected._set_bits(self._row_of(self.stamp[: self.n_slots]), slots, +1)
+        expected._set_bits(self._row_of(self.stamp[: self.n_slots]), slots)
         W, S = self.n_words, self.n_super  # the scratch word / superblock absorb masked updates
         assert torch.equal(expected.bits[:, :W], self.bits[:, :W]), "bitmaps disagree with stamps"
         assert torch.equal(expected.counts[:, :W], self.counts[:, :W]), "word counts != bits"
