@@ -1,0 +1,177 @@
+"""ulacache's stand-in for SGLang's ``HiSparseCoordinator``: the one object the scheduler, the
+model runner and the DSA backend call. ``swap_in_selected_pages`` turns top-k positions into
+addresses (``req_to_token``) and runs the core's sparse access on the group's anchor layer; the
+other layers of the group get the same graph-stable output tensor."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import nullcontext
+from typing import Any, NamedTuple
+
+import torch
+from sglang.srt.managers.hisparse_coordinator import HiSparseCoordinator, HiSparseTokenStats
+
+from ulacache.cache import UlaCache
+from ulacache.errors import ConfigError
+
+from .sglang_pool import UlaCacheDSATokenToKVPool
+
+logger = logging.getLogger(__name__)
+
+
+class _Staged(NamedTuple):
+    """An entry of ``ack_staging_queue`` (the scheduler reads ``.req``)."""
+
+    req: Any
+
+
+class UlaCacheCoordinator(HiSparseCoordinator):
+    """The one object SGLang's scheduler, model runner and DSA backend call (DP mode)."""
+
+    def __init__(self, req_to_token_pool, token_to_kv_pool_allocator, top_k: int,
+                 device_buffer_size: int, device, tp_group, host_to_device_ratio: int = 2,
+                 swap_in_block_size: int = 960, shared_index_layers=None,
+                 num_draft_tokens: int = 0):
+        self.req_to_token_pool = req_to_token_pool
+        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
+        self.mem_pool_device: UlaCacheDSATokenToKVPool = token_to_kv_pool_allocator.get_kvcache()
+        self.core: UlaCache = self.mem_pool_device.core
+        self.top_k, self.device, self.tp_group = top_k, device, tp_group
+        self.device_buffer_size = device_buffer_size
+        self.padded_buffer_size = 0
+        self.page_size = self.mem_pool_device.page_size
+        self.mem_pool_host = None  # no host mirror: exclusive tiers live in the core
+        R = req_to_token_pool.req_to_token.shape[0]
+        steps = max(1, num_draft_tokens)
+        worst = (R - 1) * steps * top_k + (R - 1) * steps
+        if self.core.config.gpu_slots < worst:
+            raise ConfigError(
+                f"ulacache: the GPU pool ({self.core.config.gpu_slots} slots) must hold one step's "
+                f"selections: ({R - 1} requests x {steps} tokens) x (top-k {top_k} + 1) = {worst}. "
+                "Lower --max-running-requests (or --cuda-graph-max-bs), or give the KV cache more "
+                "memory (--mem-fraction-static)")
+        self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=device)
+        self._row_ids = torch.arange(R * steps, device=device)
+        self._rows_out = [torch.full((R * steps, top_k), -1, dtype=torch.int32, device=device)
+                          for _ in self.core.groups]
+        self._anchor = {g.layers[0] + self.mem_pool_device.start_layer: i
+                        for i, g in enumerate(self.core.groups)}
+        self.ack_staging_queue: list[_Staged] = []
+        self._producer_stream = None
+        logger.info("ulacache coordinator: %d request rows, top-k %d, %d selection groups",
+                    R, top_k, len(self.core.groups))
+
+    # -- scheduler side ------------------------------------------------------------------
+    def set_decode_producer_stream(self, stream) -> None:
+        self._producer_stream = stream
+
+    def _on_producer(self):
+        s = self._producer_stream
+        return torch.cuda.stream(s) if s is not None and torch.cuda.is_available() else \
+            nullcontext()
+
+    def allocate_spec_scratch(self, req_pool_indices) -> None:
+        return None  # speculative tokens get ordinary GPU slots at prepare_spec_verify
+
+    def admit_request_into_staging(self, req) -> None:
+        """Prompt rows are already placed (GPU or spilled): nothing to copy, ready at once."""
+        req.hisparse_staging = True
+        self.ack_staging_queue.append(_Staged(req))
+
+    def collect_ready_reqs(self) -> list:
+        ready = [s.req for s in self.ack_staging_queue]
+        self.ack_staging_queue.clear()
+        for req in ready:
+            req.hisparse_staging = False
+        return ready
+
+    def has_ongoing_staging(self) -> bool:
+        return bool(self.ack_staging_queue)
+
+    def abort_staging_request(self, req) -> None:
+        self.ack_staging_queue = [s for s in self.ack_staging_queue if s.req is not req]
+        req.hisparse_staging = False
+
+    def map_last_loc_to_buffer(self, seq_lens, out_cache_loc, req_pool_indices, seq_lens_cpu,
+                               req_pool_indices_cpu) -> None:
+        """A decode step starts: new PB-LRU round, then the new tokens get GPU slots."""
+        with self._on_producer():
+            self.core.begin_round()
+            self._place_fresh(out_cache_loc)
+
+    def prepare_spec_verify(self, batch) -> None:
+        with self._on_producer():
+            self.core.begin_round()
+            self._place_fresh(batch.out_cache_loc)
+
+    def _place_fresh(self, locs: torch.Tensor) -> None:
+        """GPU slots for tokens about to be written. A paged allocator hands a position the
+        address a rejected draft token used in the same page; that row is dead, drop it first."""
+        self.core.release(locs)
+        self.core.place(locs)
+
+    def commit_spec_accept_tokens(self, batch, accept_indices) -> None:
+        # Accepted tokens keep the rows they were verified in; rejected ones are freed through
+        # the allocator like any other logical address.
+        return None
+
+    def wait_for_pending_backup(self) -> None:
+        return None  # every ulacache copy is on the forward stream, in order
+
+    def request_finished(self, req) -> None:
+        """Rows are released when SGLang frees the request's logical addresses right after."""
+        if getattr(req, "hisparse_staging", False):
+            self.abort_staging_request(req)
+
+    def retract_req(self, req) -> None:
+        self.request_finished(req)
+
+    def admit_request_direct(self, req) -> None:
+        raise NotImplementedError("ulacache does not support PD-disaggregated decode yet; "
+                                  "legal: colocated prefill+decode")
+
+    def host_token_len(self, n: int) -> int:
+        return n
+
+    def get_token_stats(self) -> HiSparseTokenStats:
+        g = self.core.groups[0]
+        gpu = int((g.gpu_owner[: g.G] >= 0).sum())
+        cpu = g.C - int(g.pools.cpu_top)
+        return HiSparseTokenStats(device_tokens=gpu, device_token_usage=gpu / max(1, g.G),
+                                  host_tokens=cpu, host_token_usage=cpu / max(1, g.C))
+
+    def destroy(self) -> None:
+        self.ack_staging_queue.clear()
+        self._rows_out = []
+
+    # -- model side (inside the CUDA graph) ----------------------------------------------
+    def swap_in_selected_pages(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                               top_k_result: torch.Tensor, layer_id: int) -> torch.Tensor:
+        """Top-k positions -> ``int32`` rows of ``kv_buffer[layer_id]`` (graph-stable view).
+
+        ``top_k_result`` is ``int32 [bs, K]`` (decode) or ``[bs, steps, K]`` (verify) positions
+        of each request, ``-1`` padded; rows ``>= num_real_reqs`` are padding and come back
+        ``-1``. The group's anchor layer runs the sparse access; its other layers reuse it.
+        """
+        shape = top_k_result.shape
+        bs, K = shape[0], shape[-1]
+        steps = shape[1] if top_k_result.dim() == 3 else 1
+        n = bs * steps
+        gi = self._anchor.get(layer_id)
+        if gi is None:  # a layer that shares its anchor's selection
+            gi = self.mem_pool_device._group_index(layer_id)
+            return self._rows_out[gi][:n].view(shape)
+        pos = top_k_result.reshape(n, K).to(torch.int64)
+        req = req_pool_indices.to(torch.int64)
+        real = self._row_ids[:bs] < self.num_real_reqs
+        if steps > 1:
+            req = req.repeat_interleave(steps)
+            real = real.repeat_interleave(steps)
+        valid = (pos >= 0) & real.unsqueeze(1)
+        table = self.req_to_token_pool.req_to_token
+        addrs = table[req.unsqueeze(1), pos.clamp(min=0)].to(torch.int64)
+        slots = self.core.access(gi, torch.where(valid, addrs, -1))
+        out = self._rows_out[gi][:n]
+        out.copy_(torch.where(slots >= 0, slots + self.page_size, -1))
+        return out.view(shape)
