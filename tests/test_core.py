@@ -36,6 +36,13 @@ def fill(cache: UlaCache, addrs: torch.Tensor, version: int = 0) -> None:
         cache.write(addrs, layer, row_bytes_for(addrs, layer, version, RB))
 
 
+def grow(cache: UlaCache, rid, rounds: int, per_round: int) -> None:
+    """Extend ``rid`` by ``per_round`` written tokens in each of ``rounds`` scheduling rounds."""
+    for _ in range(rounds):
+        cache.begin_round()
+        fill(cache, cache.extend(rid, per_round))
+
+
 def test_layouts_and_config_errors():
     assert RowLayout.named("fp8").row_bytes == 656
     assert RowLayout.named("bf16").row_bytes == 1152
@@ -137,9 +144,7 @@ def test_errors_leave_state_unchanged():
 def test_step_that_cannot_fit_is_refused_before_any_change():
     c = make(gpu_slots=8, cpu_slots=64)
     c.admit("a", 40)
-    for _ in range(5):
-        c.begin_round()
-        fill(c, c.extend("a", 8))
+    grow(c, "a", 5, 8)
     c.begin_round()
     before = snapshot(c)
     with pytest.raises(CapacityExhausted, match="promote"):
@@ -150,9 +155,7 @@ def test_step_that_cannot_fit_is_refused_before_any_change():
 def test_access_promotes_swaps_and_preserves_padding():
     c = make(gpu_slots=16, cpu_slots=64, layers_per_group=2)
     c.admit("a", 64)
-    for _ in range(4):
-        c.begin_round()
-        fill(c, c.extend("a", 12))  # 48 tokens, 16 GPU slots: 32 spilled
+    grow(c, "a", 4, 12)  # 48 tokens, 16 GPU slots: 32 spilled
     addrs = c.addresses("a")
     c.begin_round()
     sel = torch.tensor([[int(addrs[0]), -1, int(addrs[47]), int(addrs[0])],
@@ -223,9 +226,7 @@ def test_data_then_map_order():
     observes a changed mapping entry reads the new data there (invariant 3)."""
     c = make(gpu_slots=16, cpu_slots=64)
     c.admit("a", 64)
-    for _ in range(4):
-        c.begin_round()
-        fill(c, c.extend("a", 12))
+    grow(c, "a", 4, 12)
     g = c.groups[0]
     addrs = c.addresses("a")
     expect = {int(a): row_bytes_for(a.view(1), 0, 0, RB)[0] for a in addrs}
@@ -253,8 +254,11 @@ def test_data_then_map_order():
     log = WriteLog(reader)
     with log:
         rows = c.access(0, cold)
-    kinds = ["pool" if p in pool_ptrs else "map" if p == loc_ptr else "other"
-             for _, p in log.events]
+    def kinds_of(log: WriteLog) -> list[str]:
+        return ["pool" if p in pool_ptrs else "map" if p == loc_ptr else "other"
+                for _, p in log.events]
+
+    kinds = kinds_of(log)
     assert "pool" in kinds and "map" in kinds
     assert max(i for i, k in enumerate(kinds) if k == "pool") < kinds.index("map")
     assert checked[0] >= 12  # promoted rows and demoted victims were all checked
@@ -265,8 +269,7 @@ def test_data_then_map_order():
     log = WriteLog(reader)
     with log:
         new = c.extend("a", 10)
-    kinds = ["pool" if p in pool_ptrs else "map" if p == loc_ptr else "other"
-             for _, p in log.events]
+    kinds = kinds_of(log)
     assert kinds.index("pool") < kinds.index("map")
     fill(c, new)
     c.check_integrity()
@@ -305,9 +308,7 @@ def test_prometheus_text_reports_counters_and_bytes():
 
     c = make(gpu_slots=16, cpu_slots=64)
     c.admit("a", 40)
-    for _ in range(3):
-        c.begin_round()
-        fill(c, c.extend("a", 10))
+    grow(c, "a", 3, 10)
     c.begin_round()
     c.access(0, c.addresses("a")[:12].view(1, -1))
     text = prometheus_text(c)
