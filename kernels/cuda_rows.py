@@ -1,5 +1,9 @@
 """CUDA row-movement kernels (NVRTC-compiled) and their short, checked launchers.
 
+The kernel source is ``rows.cu`` beside this module (``kernels/rows.cu``, package data of
+``ulacache.kernels``), read as text into :data:`CUDA_SOURCE` at import and specialised by
+:func:`module_source`.
+
 The kernels move whole rows between pools laid out as ``uint8 [L, R + 1, row_bytes]`` (see
 :mod:`ulacache.kernels.reference`). A row pointer is plain UVA, so one gather kernel serves
 every direction: pinned host -> GPU (zero-copy over PCIe), GPU -> GPU, GPU -> pinned host (the
@@ -31,6 +35,7 @@ import logging
 import os
 import threading
 from collections.abc import Sequence
+from importlib import resources
 
 import torch
 
@@ -56,221 +61,13 @@ THREADS = 256  # threads per block (8 warps)
 ALIGN = 16  # bytes per vector load
 
 # ---------------------------------------------------------------------------------------------
-# CUDA source. ROWS (rows per warp) and VPL (16-byte vectors per lane per row, held in registers)
-# are compile-time constants set by a ``#define`` prefix; one module per (ROWS, VPL). Rows longer
-# than 32 * VPL chunks are still correct: the tail is copied by a load/store loop.
-# Only builtins usable by NVRTC (no #include); also compiles as host C++ with a small shim,
-# which the CPU tests use to run the exact kernel text serially.
+# CUDA source: kernels/rows.cu, read as text at import (shipped as package data). ROWS (rows per
+# warp), VPL (16-byte vectors per lane per row, held in registers) and ULA_NC (gather load
+# flavour) are compile-time constants set by a ``#define`` prefix (:func:`module_source`); one
+# module per (ROWS, VPL, ULA_NC). Only builtins usable by NVRTC (no #include); the text also
+# compiles as host C++ with a small shim, which the CPU tests use to run the kernels serially.
 # ---------------------------------------------------------------------------------------------
-CUDA_SOURCE = r"""
-#ifndef ROWS
-#define ROWS 4
-#endif
-#ifndef VPL
-#define VPL 2
-#endif
-#ifndef ULA_NC
-#define ULA_NC 0
-#endif
-typedef long long i64;
-typedef unsigned long long u64;
-typedef unsigned char u8;
-
-// Gather source loads. Plain (coherent) loads keep every load of a warp ahead of its stores in
-// the final code (ptxas may sink non-coherent ld.global.nc loads below stores to save registers:
-// 88 instead of 112 registers at ROWS=8, VPL=3, fewer bytes in flight). ULA_NC=1 selects __ldg.
-__device__ __forceinline__ uint4 ula_ld_nc(const u8* p) {
-#if ULA_NC
-    return __ldg(reinterpret_cast<const uint4*>(p));
-#else
-    return *reinterpret_cast<const uint4*>(p);
-#endif
-}
-__device__ __forceinline__ uint4 ula_ld(const u8* p) {
-    return *reinterpret_cast<const uint4*>(p);
-}
-__device__ __forceinline__ void ula_st(u8* p, uint4 v) {
-    *reinterpret_cast<uint4*>(p) = v;
-}
-
-// Gather body. PEER: the source base is src_table[src_rank[i]] (rank < 0 = skip).
-template <bool PEER>
-__device__ __forceinline__ void ula_gather_body(
-    const u8* __restrict__ src, const u64* __restrict__ src_table,
-    const i64* __restrict__ src_rank, i64 src_layer_stride, i64 src_row_stride,
-    const i64* __restrict__ src_idx,
-    u8* __restrict__ dst, i64 dst_layer_stride, i64 dst_row_stride,
-    const i64* __restrict__ dst_idx,
-    i64 n, i64 pairs, int chunks)
-{
-    const i64 warp = ((i64)blockIdx.x * blockDim.x + threadIdx.x) / 32;
-    const int lane = threadIdx.x % 32;
-    const i64 first = warp * ROWS;
-    if (first >= pairs) return;
-    const u8* sp[ROWS];
-    u8* dp[ROWS];
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        sp[r] = 0;
-        dp[r] = 0;
-        const i64 p = first + r;
-        if (p < pairs) {
-            const i64 l = p / n;
-            const i64 i = p - l * n;
-            const i64 s = src_idx[i];
-            const i64 d = dst_idx[i];
-            const u8* base = src;
-            bool ok = s >= 0 && d >= 0;
-            if (PEER) {
-                const i64 rk = src_rank[i];
-                ok = ok && rk >= 0;
-                base = ok ? reinterpret_cast<const u8*>(src_table[rk]) : (const u8*)0;
-            }
-            if (ok) {
-                sp[r] = base + l * src_layer_stride + s * src_row_stride;
-                dp[r] = dst + l * dst_layer_stride + d * dst_row_stride;
-            }
-        }
-    }
-    uint4 buf[ROWS][VPL];
-    // Issue every load of this warp first ...
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-#pragma unroll
-        for (int v = 0; v < VPL; ++v) {
-            const int c = lane + 32 * v;
-            if (sp[r] != 0 && c < chunks) buf[r][v] = ula_ld_nc(sp[r] + 16 * (i64)c);
-        }
-    }
-    // ... then every store.
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-#pragma unroll
-        for (int v = 0; v < VPL; ++v) {
-            const int c = lane + 32 * v;
-            if (sp[r] != 0 && c < chunks) ula_st(dp[r] + 16 * (i64)c, buf[r][v]);
-        }
-    }
-    // Tail of rows longer than 32 * VPL chunks (rows over 2048 bytes).
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        if (sp[r] == 0) continue;
-        for (int c = lane + 32 * VPL; c < chunks; c += 32)
-            ula_st(dp[r] + 16 * (i64)c, ula_ld_nc(sp[r] + 16 * (i64)c));
-    }
-}
-
-extern "C" __global__ void ula_gather(
-    const u8* __restrict__ src, i64 src_layer_stride, i64 src_row_stride,
-    const i64* __restrict__ src_idx,
-    u8* __restrict__ dst, i64 dst_layer_stride, i64 dst_row_stride,
-    const i64* __restrict__ dst_idx, i64 n, i64 pairs, int chunks)
-{
-    ula_gather_body<false>(src, (const u64*)0, (const i64*)0, src_layer_stride, src_row_stride,
-                           src_idx, dst, dst_layer_stride, dst_row_stride, dst_idx,
-                           n, pairs, chunks);
-}
-
-extern "C" __global__ void ula_gather_peer(
-    const u64* __restrict__ src_table, const i64* __restrict__ src_rank,
-    i64 src_layer_stride, i64 src_row_stride, const i64* __restrict__ src_idx,
-    u8* __restrict__ dst, i64 dst_layer_stride, i64 dst_row_stride,
-    const i64* __restrict__ dst_idx, i64 n, i64 pairs, int chunks)
-{
-    ula_gather_body<true>((const u8*)0, src_table, src_rank, src_layer_stride, src_row_stride,
-                          src_idx, dst, dst_layer_stride, dst_row_stride, dst_idx,
-                          n, pairs, chunks);
-}
-
-// Promotion swap: gpu row g <-> cpu row c, per layer. Plain (coherent) loads: the kernel
-// writes the same rows it reads; each lane reads both of its chunks before writing either.
-extern "C" __global__ void ula_swap(
-    u8* gpu, i64 gpu_layer_stride, i64 gpu_row_stride, const i64* __restrict__ gpu_idx,
-    u8* cpu, i64 cpu_layer_stride, i64 cpu_row_stride, const i64* __restrict__ cpu_idx,
-    i64 n, i64 pairs, int chunks)
-{
-    const i64 warp = ((i64)blockIdx.x * blockDim.x + threadIdx.x) / 32;
-    const int lane = threadIdx.x % 32;
-    const i64 first = warp * ROWS;
-    if (first >= pairs) return;
-    u8* gp[ROWS];
-    u8* cp[ROWS];
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        gp[r] = 0;
-        cp[r] = 0;
-        const i64 p = first + r;
-        if (p < pairs) {
-            const i64 l = p / n;
-            const i64 i = p - l * n;
-            const i64 g = gpu_idx[i];
-            const i64 c = cpu_idx[i];
-            if (g >= 0 && c >= 0) {
-                gp[r] = gpu + l * gpu_layer_stride + g * gpu_row_stride;
-                cp[r] = cpu + l * cpu_layer_stride + c * cpu_row_stride;
-            }
-        }
-    }
-    uint4 bg[ROWS][VPL];
-    uint4 bc[ROWS][VPL];
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-#pragma unroll
-        for (int v = 0; v < VPL; ++v) {
-            const int c = lane + 32 * v;
-            if (gp[r] != 0 && c < chunks) {
-                bc[r][v] = ula_ld(cp[r] + 16 * (i64)c);
-                bg[r][v] = ula_ld(gp[r] + 16 * (i64)c);
-            }
-        }
-    }
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-#pragma unroll
-        for (int v = 0; v < VPL; ++v) {
-            const int c = lane + 32 * v;
-            if (gp[r] != 0 && c < chunks) {
-                ula_st(gp[r] + 16 * (i64)c, bc[r][v]);
-                ula_st(cp[r] + 16 * (i64)c, bg[r][v]);
-            }
-        }
-    }
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        if (gp[r] == 0) continue;
-        for (int c = lane + 32 * VPL; c < chunks; c += 32) {
-            const uint4 a = ula_ld(cp[r] + 16 * (i64)c);
-            const uint4 b = ula_ld(gp[r] + 16 * (i64)c);
-            ula_st(gp[r] + 16 * (i64)c, a);
-            ula_st(cp[r] + 16 * (i64)c, b);
-        }
-    }
-}
-
-// Logical -> physical translation, -1 preserved. Grid-stride over the flattened [bs, k].
-template <typename A, typename M>
-__device__ __forceinline__ void ula_translate_body(
-    const A* __restrict__ addrs, const M* __restrict__ mapping, int* __restrict__ out,
-    i64 count, i64 row_base)
-{
-    const i64 step = (i64)gridDim.x * blockDim.x;
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += step) {
-        const i64 a = (i64)addrs[i];
-        out[i] = a >= 0 ? (int)((i64)mapping[a] + row_base) : -1;
-    }
-}
-
-#define ULA_TRANSLATE(NAME, A, M)                                                         \
-    extern "C" __global__ void NAME(const A* __restrict__ addrs,                          \
-                                    const M* __restrict__ mapping, int* __restrict__ out, \
-                                    i64 count, i64 row_base) {                            \
-        ula_translate_body<A, M>(addrs, mapping, out, count, row_base);                   \
-    }
-ULA_TRANSLATE(ula_translate_a32_m32, int, int)
-ULA_TRANSLATE(ula_translate_a32_m64, int, i64)
-ULA_TRANSLATE(ula_translate_a64_m32, i64, int)
-ULA_TRANSLATE(ula_translate_a64_m64, i64, i64)
-"""
+CUDA_SOURCE: str = (resources.files(__package__) / "rows.cu").read_text(encoding="utf-8")
 
 KERNEL_NAMES = (
     "ula_gather",

@@ -66,7 +66,7 @@ _KV_BACKEND_HELP = (
 _ULACACHE_CONFIG_HELP = (
     "UlaCache settings as a JSON object, read only with --kv-backend ulacache; keys and "
     "defaults are defined by ulacache.config.SGLangOptions (mode, cpu_ratio, n_buckets, policy, "
-    'fetch_cap, buffer_slots, validate). Example: \'{"mode": "dp", "cpu_ratio": 4}\'.'
+    'validate). Example: \'{"mode": "dp", "cpu_ratio": 4}\'.'
 )
 
 

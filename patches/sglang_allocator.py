@@ -1,7 +1,12 @@
 """ulacache's stand-in for SGLang's ``HiSparseTokenToKVPoolAllocator``: SGLang's own paged
 allocator hands out logical addresses over ``N x (1 + cpu_ratio)`` tokens (= unique capacity,
 exclusive tiers); prefill tokens are placed in every group's GPU pool at allocation, decode
-tokens by the coordinator, and ``free`` drops rows from both tiers."""
+tokens by the coordinator, and ``free`` drops rows from both tiers.
+
+Stream order: SGLang calls the allocator from its scheduler's ``schedule_stream`` while the
+forward runs on ``forward_stream``; the address space issues every one of these mutations on
+its core stream (the forward stream, set by the coordinator), so a free cannot overtake a
+forward already launched that still reads the rows (``ulacache.streams``)."""
 
 from __future__ import annotations
 
@@ -11,8 +16,8 @@ import torch
 from sglang.srt.mem_cache.allocator.hisparse import HiSparseTokenToKVPoolAllocator
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 
-from ulacache.cache import UlaCache
 from ulacache.errors import CapacityExhausted
+from ulacache.space import AddressSpace
 
 from .sglang_pool import UlaCacheDSATokenToKVPool
 
@@ -23,7 +28,7 @@ class _GpuPoolView:
     """What other SGLang code reads as ``allocator.hisparse_attn_allocator``: the GPU pool of the
     first selection group (size and free/evictable slots)."""
 
-    def __init__(self, core: UlaCache):
+    def __init__(self, core: AddressSpace):
         self.core = core
         self.size = core.config.gpu_slots
 
@@ -40,7 +45,7 @@ class UlaCacheTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         # HiSparse's constructor builds a device-slot allocator and a 0-means-unmapped mapping
         # ulacache does not use; the state below is what SGLang and the base class read.
         self._kvcache = kvcache
-        self.core: UlaCache = kvcache.core
+        self.core: AddressSpace = kvcache.core
         self._size_full = size * host_to_device_ratio
         self._size_hisparse = size
         self.compress_ratio = 1

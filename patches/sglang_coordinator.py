@@ -1,19 +1,24 @@
 """ulacache's stand-in for SGLang's ``HiSparseCoordinator``: the one object the scheduler, the
 model runner and the DSA backend call. ``swap_in_selected_pages`` turns top-k positions into
 addresses (``req_to_token``) and runs the core's sparse access on the group's anchor layer; the
-other layers of the group get the same graph-stable output tensor."""
+other layers of the group get the same graph-stable output tensor.
+
+Streams: ``set_decode_producer_stream`` makes SGLang's forward stream the core stream, so every
+core mutation (the scheduler's allocation, placement and frees included) is ordered with the
+forwards (``ulacache.streams``); ``request_finished`` also makes the scheduler's stream wait for
+it, as HiSparse does, before SGLang recycles the request's tables."""
 
 from __future__ import annotations
 
 import logging
-from contextlib import nullcontext
 from typing import Any, NamedTuple
 
 import torch
 from sglang.srt.managers.hisparse_coordinator import HiSparseCoordinator, HiSparseTokenStats
 
-from ulacache.cache import UlaCache
-from ulacache.errors import ConfigError
+from ulacache.errors import ConfigError, StaleSelectionError
+from ulacache.space import AddressSpace
+from ulacache.streams import capturing
 
 from .sglang_pool import UlaCacheDSATokenToKVPool
 
@@ -36,7 +41,7 @@ class UlaCacheCoordinator(HiSparseCoordinator):
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.mem_pool_device: UlaCacheDSATokenToKVPool = token_to_kv_pool_allocator.get_kvcache()
-        self.core: UlaCache = self.mem_pool_device.core
+        self.core: AddressSpace = self.mem_pool_device.core
         self.top_k, self.device, self.tp_group = top_k, device, tp_group
         self.device_buffer_size = device_buffer_size
         self.padded_buffer_size = 0
@@ -57,6 +62,7 @@ class UlaCacheCoordinator(HiSparseCoordinator):
                           for _ in self.core.groups]
         self._anchor = {g.layers[0] + self.mem_pool_device.start_layer: i
                         for i, g in enumerate(self.core.groups)}
+        self._anchor_step = [(-1, -1)] * len(self.core.groups)  # (round, rows) of last access
         self.ack_staging_queue: list[_Staged] = []
         self._producer_stream = None
         logger.info("ulacache coordinator: %d request rows, top-k %d, %d selection groups",
@@ -64,12 +70,9 @@ class UlaCacheCoordinator(HiSparseCoordinator):
 
     # -- scheduler side ------------------------------------------------------------------
     def set_decode_producer_stream(self, stream) -> None:
+        """SGLang's forward stream: from now on every core mutation is issued on it."""
         self._producer_stream = stream
-
-    def _on_producer(self):
-        s = self._producer_stream
-        return torch.cuda.stream(s) if s is not None and torch.cuda.is_available() else \
-            nullcontext()
+        self.core.set_stream(stream)
 
     def allocate_spec_scratch(self, req_pool_indices) -> None:
         return None  # speculative tokens get ordinary GPU slots at prepare_spec_verify
@@ -96,14 +99,12 @@ class UlaCacheCoordinator(HiSparseCoordinator):
     def map_last_loc_to_buffer(self, seq_lens, out_cache_loc, req_pool_indices, seq_lens_cpu,
                                req_pool_indices_cpu) -> None:
         """A decode step starts: new PB-LRU round, then the new tokens get GPU slots."""
-        with self._on_producer():
-            self.core.begin_round()
-            self._place_fresh(out_cache_loc)
+        self.core.begin_round()
+        self._place_fresh(out_cache_loc)
 
     def prepare_spec_verify(self, batch) -> None:
-        with self._on_producer():
-            self.core.begin_round()
-            self._place_fresh(batch.out_cache_loc)
+        self.core.begin_round()
+        self._place_fresh(batch.out_cache_loc)
 
     def _place_fresh(self, locs: torch.Tensor) -> None:
         """GPU slots for tokens about to be written. A paged allocator hands a position the
@@ -120,7 +121,11 @@ class UlaCacheCoordinator(HiSparseCoordinator):
         return None  # every ulacache copy is on the forward stream, in order
 
     def request_finished(self, req) -> None:
-        """Rows are released when SGLang frees the request's logical addresses right after."""
+        """Rows are released when SGLang frees the request's logical addresses right after
+        (on the core stream, so after any forward already launched that reads them). The
+        scheduler's stream also waits for that forward, as in HiSparse, before SGLang hands the
+        request's ``req_to_token`` row to another request."""
+        self.core.stream.fence()
         if getattr(req, "hisparse_staging", False):
             self.abort_staging_request(req)
 
@@ -135,11 +140,13 @@ class UlaCacheCoordinator(HiSparseCoordinator):
         return n
 
     def get_token_stats(self) -> HiSparseTokenStats:
-        g = self.core.groups[0]
-        gpu = int((g.gpu_owner[: g.G] >= 0).sum())
-        cpu = g.C - int(g.pools.cpu_top)
-        return HiSparseTokenStats(device_tokens=gpu, device_token_usage=gpu / max(1, g.G),
-                                  host_tokens=cpu, host_token_usage=cpu / max(1, g.C))
+        """Occupancy of the first group from the counter monitor's last snapshot (taken at a
+        round boundary without syncing the device)."""
+        snap = self.core.health.snapshot()[0]
+        G, C = self.core.config.gpu_slots, self.core.config.cpu_slots
+        gpu, cpu = snap["gpu_used"], snap["cpu_used"]
+        return HiSparseTokenStats(device_tokens=gpu, device_token_usage=gpu / max(1, G),
+                                  host_tokens=cpu, host_token_usage=cpu / max(1, C))
 
     def destroy(self) -> None:
         self.ack_staging_queue.clear()
@@ -159,8 +166,13 @@ class UlaCacheCoordinator(HiSparseCoordinator):
         steps = shape[1] if top_k_result.dim() == 3 else 1
         n = bs * steps
         gi = self._anchor.get(layer_id)
-        if gi is None:  # a layer that shares its anchor's selection
+        if gi is None:  # a layer that shares its anchor's selection: this step's rows
             gi = self.mem_pool_device._group_index(layer_id)
+            if self.core.validate and not capturing(self.core.device) and \
+                    self._anchor_step[gi] != (self.core.round_serial, n):
+                raise StaleSelectionError(
+                    f"layer {layer_id} reuses the selection of its group's anchor layer, which "
+                    f"has not run in this step ({n} rows); it would read last step's rows")
             return self._rows_out[gi][:n].view(shape)
         pos = top_k_result.reshape(n, K).to(torch.int64)
         req = req_pool_indices.to(torch.int64)
@@ -172,6 +184,7 @@ class UlaCacheCoordinator(HiSparseCoordinator):
         table = self.req_to_token_pool.req_to_token
         addrs = table[req.unsqueeze(1), pos.clamp(min=0)].to(torch.int64)
         slots = self.core.access(gi, torch.where(valid, addrs, -1))
+        self._anchor_step[gi] = (self.core.round_serial, n)
         out = self._rows_out[gi][:n]
         out.copy_(torch.where(slots >= 0, slots + self.page_size, -1))
         return out.view(shape)

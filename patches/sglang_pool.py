@@ -9,7 +9,9 @@ One tensor per selection group ``[L_g, N + 2P, 1, kv_cache_dim]``. Region table 
     [P + N, N + 2P)   tail page; row P + N is the core's scratch row (the extra page keeps the
                       row count a multiple of 64 for FlashMLA)
 
-Writes and the prefill page table are translated per layer group.
+Writes and the prefill page table are translated per selection group; the core is an
+:class:`~ulacache.space.AddressSpace` over SGLang's logical addresses (SGLang's paged allocator
+hands them out, so no ledger).
 """
 
 from __future__ import annotations
@@ -21,23 +23,30 @@ import torch
 from sglang.srt.mem_cache.hisparse_memory_pool import HiSparseDSATokenToKVPool
 from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, unwrap_write_loc
 
-from ulacache.cache import UlaCache
 from ulacache.config import SGLangOptions, UlaCacheConfig
+from ulacache.errors import StaleSelectionError
+from ulacache.layout import RowLayout
+from ulacache.space import AddressSpace
+from ulacache.streams import capturing
 
 logger = logging.getLogger(__name__)
 
 
 def sglang_options() -> SGLangOptions:
-    """The ``--ulacache-config`` of this launch (defaults when none is published)."""
+    """The ``--ulacache-config`` of this launch; defaults only when SGLang has published no
+    server args (tests, tools). A bad value raises :class:`~ulacache.errors.ConfigError` naming
+    the key and its legal values: start-up stops instead of serving with settings nobody asked
+    for."""
     try:
         from sglang.srt.runtime_context import get_server_args
 
-        from ulacache.patches.server_args import parse_ulacache_config
-
-        raw = getattr(get_server_args(), "ulacache_config", None)
-        return SGLangOptions.from_dict(parse_ulacache_config(raw))
-    except (ValueError, LookupError, AttributeError, ImportError):
+        args = get_server_args()
+    except (ImportError, ValueError):  # "Global server args is not set yet!"
+        logger.info("ulacache: no SGLang server args published; default --ulacache-config")
         return SGLangOptions()
+    from ulacache.patches.server_args import parse_ulacache_config
+
+    return SGLangOptions.from_dict(parse_ulacache_config(getattr(args, "ulacache_config", None)))
 
 
 def layer_groups_from_skip(skip_topk_layers: list[bool] | None, layer_num: int,
@@ -52,15 +61,6 @@ def layer_groups_from_skip(skip_topk_layers: list[bool] | None, layer_num: int,
         else:
             groups.append([layer])
     return groups
-
-
-def _row_layout(kv_cache_dim: int, store_dtype: torch.dtype) -> tuple[str, int | None]:
-    row_bytes = kv_cache_dim * torch._utils._element_size(store_dtype)
-    if row_bytes == 656:
-        return "fp8", None
-    if row_bytes == 1152:
-        return "bf16", None
-    return "tiny", row_bytes
 
 
 class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
@@ -85,19 +85,20 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
                          skip_topk_layers=skip_topk_layers,
                          host_to_device_ratio=host_to_device_ratio)
         ratio = int(host_to_device_ratio)
-        layout, row_bytes = _row_layout(self.kv_cache_dim, self.store_dtype)
+        row = RowLayout.of_size(self.kv_cache_dim * torch._utils._element_size(self.store_dtype))
         opts = self.ula_options
-        cfg = UlaCacheConfig(layout=layout, row_bytes=row_bytes, n_layers=layer_num,
-                             gpu_slots=size, cpu_slots=(ratio - 1) * size, page_size=page_size,
+        cfg = UlaCacheConfig(layout=row.name, row_bytes=row.row_bytes if row.name == "tiny"
+                             else None, n_layers=layer_num, gpu_slots=size,
+                             cpu_slots=(ratio - 1) * size, page_size=page_size,
                              max_requests=max(1, max_running_requests or 1),
-                             n_buckets=opts.n_buckets, policy=opts.policy,
-                             validate=opts.validate, fetch_cap=opts.fetch_cap)
-        P, rb = page_size, cfg.row_layout.row_bytes
+                             n_buckets=opts.n_buckets, policy=opts.policy, validate=opts.validate)
+        P, rb = page_size, row.row_bytes
         storage = [big.view(torch.uint8).view(big.shape[0], big.shape[1], rb)[:, P: P + size + 1]
                    for big in self._group_buffers]
         layer_ids = [[x - self.start_layer for x in g] for g in self.ula_groups]
-        self.core = UlaCache(cfg, self.device, layer_groups=layer_ids, gpu_storage=storage,
-                             n_logical=size * ratio + page_size)
+        self.core = AddressSpace(cfg, self.device, n_logical=size * ratio + page_size,
+                                 layer_groups=layer_ids, gpu_storage=storage)
+        self._prefill_round = [-1] * len(self.ula_groups)  # round of each anchor's last access
         self.current_layer_id = self.start_layer  # set by the forward_extend hook
         host_gib = cfg.cpu_slots * rb * layer_num / 2**30
         logger.info("ulacache pool: %d selection group(s); GPU %d slots x %d layers x %d B; "
@@ -132,26 +133,52 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
         return self.core.layer_to_group[layer_id - self.start_layer]
 
     def rows_of(self, layer_id: int, loc: torch.Tensor) -> torch.Tensor:
-        """``kv_buffer[layer]`` rows of GPU-resident logical ``loc`` (int64, same shape); padding
-        (``-1``), the sink page and anything not GPU-resident go to row 0 (the dummy sink)."""
+        """``kv_buffer[layer]`` rows of GPU-resident logical ``loc`` (int64, same shape) for
+        writes; padding (``-1``), the sink page and anything not GPU-resident go to row 0 (the
+        dummy sink SGLang writes padding tokens to). Pure: no side effect."""
         g = self.core.groups[self._group_index(layer_id)]
         flat = loc.reshape(-1).to(torch.int64)
         ok = (flat >= self.page_size) & (flat < g.n_logical)
         slot = g.loc[torch.where(ok, flat, g.n_logical)]
-        rows = torch.where(ok & (slot >= 0) & (slot < g.G), slot + self.page_size, 0)
+        rows = torch.where(ok & (slot >= 0) & (slot < g.gpu_slots), slot + self.page_size, 0)
         return rows.view(loc.shape)
 
-    def translate_loc_to_hisparse_device(self, compressed_indices: torch.Tensor) -> torch.Tensor:
-        """Prefill page table (logical, ``-1`` padded) -> rows of the current layer's group.
-        Selected rows that sit in the CPU tier are promoted first (sparse access); ``-1`` stays
-        ``-1`` and the sink page stays row 0."""
-        idx = compressed_indices
-        gi = self._group_index(self.current_layer_id)
-        flat = idx.reshape(1, -1).to(torch.int64)
+    def prefill_rows(self, layer_id: int, page_table: torch.Tensor) -> torch.Tensor:
+        """Prefill page table of one layer (logical addresses, ``-1`` padded) -> its rows in
+        ``kv_buffer[layer_id]``; ``-1`` stays ``-1`` and the sink page stays row 0.
+
+        MUTATES on the group's anchor (first) layer: the selected rows that sit in the CPU
+        tier are promoted (a sparse access: swaps, mapping updates, counters, once per group
+        and forward). The group's other layers share the anchor's selection (SGLang's
+        ``skip_topk``), so they only translate; a row that is not GPU-resident there means
+        the anchor did not run this round: :class:`StaleSelectionError` with validate on,
+        ``-1`` (never another token's row) with it off.
+        """
+        gi = self._group_index(layer_id)
+        g = self.core.groups[gi]
+        flat = page_table.reshape(1, -1).to(torch.int64)
         sink = (flat >= 0) & (flat < self.page_size)
-        slots = self.core.access(gi, torch.where(sink, -1, flat)).to(torch.int64)
+        addrs = torch.where(sink, -1, flat)
+        if layer_id - self.start_layer == g.layers[0]:
+            slots = self.core.access(gi, addrs).to(torch.int64)
+            self._prefill_round[gi] = self.core.round_serial
+        else:
+            slots = self.core.translate(gi, addrs).to(torch.int64)
+            if self.core.validate and not capturing(self.core.device):
+                live = addrs >= 0
+                if self._prefill_round[gi] != self.core.round_serial or \
+                        bool((live & (slots < 0)).any()):
+                    raise StaleSelectionError(
+                        f"layer {layer_id} shares selection group {gi}, whose anchor layer "
+                        f"{g.layers[0] + self.start_layer} did not make these rows resident "
+                        "in this round")
         rows = torch.where(slots >= 0, slots + self.page_size, torch.where(sink, 0, -1))
-        return rows.view(idx.shape).to(idx.dtype)
+        return rows.view(page_table.shape).to(page_table.dtype)
+
+    def translate_loc_to_hisparse_device(self, compressed_indices: torch.Tensor) -> torch.Tensor:
+        """SGLang's name (``dsa_backend.forward_extend``) for :meth:`prefill_rows` of the layer
+        the ``forward_extend`` hook recorded. Not a pure translation: it promotes rows."""
+        return self.prefill_rows(self.current_layer_id, compressed_indices)
 
     def _translate_loc_to_hisparse_device(self, compressed_indices: torch.Tensor) -> torch.Tensor:
         return self.rows_of(self.current_layer_id, compressed_indices)

@@ -1,12 +1,25 @@
 """Test-wide settings: one torch thread (small tensor ops on 2 shared cores run faster and
-deterministically single-threaded), and GPU tests skipped where CUDA is absent."""
+deterministically single-threaded), reproducible Hypothesis runs, and GPU tests skipped where
+CUDA is absent.
+
+Hypothesis profiles: ``ci`` (default) derandomizes, so every run checks the same examples and a
+failure reproduces; ``explore`` (``HYPOTHESIS_PROFILE=explore``) draws fresh examples, 5x as
+many, to look for new failures locally.
+"""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from hypothesis import settings
 
 torch.set_num_threads(1)
+
+settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+settings.register_profile("explore", deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,4 +1,4 @@
-"""Shared test helpers: deterministic row bytes and full-state snapshots of the core."""
+"""Shared test helpers: deterministic row bytes, full-state snapshots of the core, growth."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import copy
 import torch
 
 from ulacache.cache import UlaCache
+from ulacache.space import AddressSpace
 
 
 def row_bytes_for(addrs: torch.Tensor, layer: int, version: int, row_bytes: int) -> torch.Tensor:
@@ -16,24 +17,46 @@ def row_bytes_for(addrs: torch.Tensor, layer: int, version: int, row_bytes: int)
     return ((a * 131 + layer * 31 + version * 7 + j * 13) % 251).to(torch.uint8)
 
 
-def snapshot(cache: UlaCache) -> dict:
-    """Every piece of mutable state, cloned, for 'unchanged after an error' checks."""
-    snap = {
-        "requests": copy.deepcopy(cache.requests),
-        "reserved": cache.reserved_total,
-        "pages_free": list(cache.pages._free),
-        "pages_used": bytes(cache.pages._used),
-    }
-    for i, g in enumerate(cache.groups):
+def fill(space: AddressSpace, addrs: torch.Tensor, version: int = 0) -> None:
+    """Write the identifying rows of ``addrs`` in every layer."""
+    rb = space.config.row_layout.row_bytes
+    for layer in range(space.config.n_layers):
+        space.write(layer, addrs, row_bytes_for(addrs, layer, version, rb))
+
+
+def grow(cache: UlaCache, rid, rounds: int, per_round: int) -> None:
+    """Extend ``rid`` by ``per_round`` written tokens in each of ``rounds`` scheduling rounds."""
+    for _ in range(rounds):
+        cache.space.begin_round()
+        fill(cache.space, cache.extend(rid, per_round))
+
+
+def space_snapshot(space: AddressSpace) -> dict:
+    """Every piece of mutable state of an address space, cloned."""
+    snap = {"round_serial": space.round_serial}
+    for i, g in enumerate(space.groups):
         pol = g.policy
         for name, t in [("loc", g.loc), ("gown", g.gpu_owner), ("cown", g.cpu_owner),
                         ("gpu", g.pools.gpu), ("cpu", g.pools.cpu), ("free", g.pools.cpu_free),
                         ("top", g.pools.cpu_top), ("claim", g._claim), ("ctr", g.counters)]:
             snap[f"{i}.{name}"] = t.clone()
-        for name in ("bits", "counts", "stamp", "round_t"):
-            if hasattr(pol, name):
-                snap[f"{i}.pol.{name}"] = getattr(pol, name).clone()
-        snap[f"{i}.pol.round"] = pol._round
+        for name, t in vars(pol).items():
+            if isinstance(t, torch.Tensor):
+                snap[f"{i}.pol.{name}"] = t.clone()
+    return snap
+
+
+def snapshot(cache: UlaCache | AddressSpace) -> dict:
+    """Every piece of mutable state (ledger included), cloned, for 'unchanged after an error'."""
+    if isinstance(cache, AddressSpace):
+        return space_snapshot(cache)
+    snap = space_snapshot(cache.space)
+    snap.update({
+        "requests": copy.deepcopy(cache.requests),
+        "reserved": cache.reserved_total,
+        "pages_free": list(cache.pages._free),
+        "pages_used": bytes(cache.pages._used),
+    })
     return snap
 
 

@@ -19,7 +19,8 @@ def test_pblru_vs_lru_json_contract():
     rows = json.loads(out.stdout)["rows"]
     assert [r["slots"] for r in rows] == [1024, 4096]
     for r in rows:
-        assert set(r) == {"slots", "pblru_ms_per_step", "lru_ms_per_step", "pblru_hit_rate",
-                          "lru_hit_rate"}
-        assert r["pblru_ms_per_step"] > 0 and r["lru_ms_per_step"] > 0
-        assert 0 <= r["pblru_hit_rate"] <= 1 and 0 <= r["lru_hit_rate"] <= 1
+        assert set(r) == {"slots"} | {f"{p}_{m}" for p in ("pblru", "lru") for m in
+                                      ("ms_per_step", "policy_ms_per_step", "hit_rate", "misses")}
+        for p in ("pblru", "lru"):
+            assert r[f"{p}_ms_per_step"] >= r[f"{p}_policy_ms_per_step"] > 0
+            assert 0 < r[f"{p}_hit_rate"] < 1 and r[f"{p}_misses"] > 0

@@ -1,4 +1,5 @@
-"""Unit tests of the DP-mode core: admission, placement, sparse access, errors, ordering."""
+"""Unit tests of the DP-mode core: admission, placement, sparse access, errors, ordering, and
+deterministic cases for the bugs that matter (boundaries, recency order, counters)."""
 
 from __future__ import annotations
 
@@ -18,40 +19,37 @@ from ulacache.errors import (
     UnknownRequest,
 )
 from ulacache.layout import RowLayout
+from ulacache.space import AddressSpace
 
-from .helpers import assert_same, row_bytes_for, snapshot
+from .helpers import assert_same, fill, grow, row_bytes_for, snapshot
 
 RB = 16
 
 
 def make(**kw) -> UlaCache:
     base = dict(layout="tiny", n_layers=2, layers_per_group=1, gpu_slots=32, cpu_slots=96,
-                page_size=4, max_requests=8, n_buckets=4, top_k=8, max_batch=4)
+                page_size=4, max_requests=8, n_buckets=4)
     base.update(kw)
     return UlaCache(UlaCacheConfig(**base))
 
 
-def fill(cache: UlaCache, addrs: torch.Tensor, version: int = 0) -> None:
-    for layer in range(cache.config.n_layers):
-        cache.write(addrs, layer, row_bytes_for(addrs, layer, version, RB))
-
-
-def grow(cache: UlaCache, rid, rounds: int, per_round: int) -> None:
-    """Extend ``rid`` by ``per_round`` written tokens in each of ``rounds`` scheduling rounds."""
-    for _ in range(rounds):
-        cache.begin_round()
-        fill(cache, cache.extend(rid, per_round))
+def make_space(n_logical: int, **kw) -> AddressSpace:
+    base = dict(layout="tiny", n_layers=2, layers_per_group=1, gpu_slots=8, cpu_slots=32,
+                page_size=1, n_buckets=4)
+    base.update(kw)
+    return AddressSpace(UlaCacheConfig(**base), n_logical=n_logical)
 
 
 def test_layouts_and_config_errors():
     assert RowLayout.named("fp8").row_bytes == 656
     assert RowLayout.named("bf16").row_bytes == 1152
     assert RowLayout.named("tiny", 48).row_bytes == 48
+    assert RowLayout.of_size(656).name == "fp8" and RowLayout.of_size(20).name == "tiny"
     with pytest.raises(ConfigError, match="legal"):
         RowLayout.named("int4")
     with pytest.raises(ConfigError, match="divide"):
         UlaCacheConfig(n_layers=6, layers_per_group=4)
-    with pytest.raises(ConfigError, match="legal"):
+    with pytest.raises(ConfigError, match="legal keys"):
         UlaCacheConfig.from_json('{"gpu_slot": 3}')
     with pytest.raises(ConfigError, match="JSON object"):
         UlaCacheConfig.from_json("[1]")
@@ -81,7 +79,7 @@ def test_token_and_page_granular_addresses(page_size):
     c.admit("b", 10)
     a1 = c.extend("a", 5)
     b1 = c.extend("b", 3)
-    c.begin_round()
+    c.space.begin_round()
     a2 = c.extend("a", 50)
     assert torch.equal(c.addresses("a"), torch.cat([a1, a2]))
     assert set(c.addresses("a").tolist()).isdisjoint(b1.tolist())
@@ -95,13 +93,13 @@ def test_admission_refuses_cleanly_and_grows():
     c.admit("a", 10)
     before = snapshot(c)
     with pytest.raises(CapacityExhausted, match="unique slots"):
-        c.admit("b", 7)
+        c.admit("b", 7)  # 10 + 7 > 16: necessary, as 10 + 6 is admitted next
     assert_same(before, snapshot(c))
     c.admit("b", 6)
     c.extend("a", 6)
-    c.begin_round()
+    c.space.begin_round()
     before = snapshot(c)
-    with pytest.raises(CapacityExhausted, match="outgrows"):
+    with pytest.raises(CapacityExhausted, match="outgrow"):
         c.extend("b", 7)  # would need one more than free capacity (0 free)
     assert_same(before, snapshot(c))
     c.free("a")
@@ -112,20 +110,36 @@ def test_admission_refuses_cleanly_and_grows():
 
 def test_errors_leave_state_unchanged():
     c = make()
+    s = c.space
     c.admit("a", 40)
     a = c.extend("a", 20)
-    fill(c, a)
+    fill(s, a)
     cases = [
-        (AddressError, lambda: c.access(0, torch.tensor([[int(c.n_logical)]]))),
-        (AddressError, lambda: c.access(0, torch.tensor([[a[0].item() + 20]]))),  # not live
-        (AddressError, lambda: c.write(torch.tensor([c.n_logical + 5]), 0,
+        (AddressError, lambda: s.access(0, torch.tensor([[s.n_logical]]))),
+        (AddressError, lambda: s.access(0, torch.tensor([[a[0].item() + 20]]))),  # not live
+        (AddressError, lambda: s.access(0, torch.tensor([[-2]]))),  # not the -1 padding
+        (AddressError, lambda: s.write(0, torch.tensor([s.n_logical + 5]),
                                        torch.zeros(1, RB, dtype=torch.uint8))),
-        (ShapeError, lambda: c.write(a[:2], 0, torch.zeros(3, RB, dtype=torch.uint8))),
-        (ShapeError, lambda: c.write(a[:2], 0, torch.zeros(2, RB, dtype=torch.int16))),
-        (ShapeError, lambda: c.access(0, a.float().view(1, -1))),
-        (ShapeError, lambda: c.access(0, a)),  # 1-D
-        (ShapeError, lambda: c.write(a[:1], 9, torch.zeros(1, RB, dtype=torch.uint8))),
+        (AddressError, lambda: s.write(0, a[[0, 0]], torch.zeros(2, RB, dtype=torch.uint8))),
+        (ShapeError, lambda: s.write(0, a[:2], torch.zeros(3, RB, dtype=torch.uint8))),
+        (ShapeError, lambda: s.write(0, a[:2], torch.zeros(2, RB, dtype=torch.int16))),
+        (ShapeError, lambda: s.access(0, a.float().view(1, -1))),
+        (ShapeError, lambda: s.access(0, a.bool().view(1, -1))),
+        (ShapeError, lambda: s.access(0, a)),  # 1-D
+        (ShapeError, lambda: s.access(-1, a.view(1, -1))),  # no negative group index
+        (ShapeError, lambda: s.access(0, a.view(1, -1), out=torch.empty(1, 19, dtype=torch.int32))),
+        (ShapeError, lambda: s.access(0, a.view(1, -1), out=torch.empty(1, 20))),
+        (ShapeError, lambda: s.write(9, a[:1], torch.zeros(1, RB, dtype=torch.uint8))),
+        (AddressError, lambda: s.release(a[[0, 0]])),  # duplicates
+        (AddressError, lambda: s.release(torch.tensor([-3]))),
+        (ShapeError, lambda: s.release(a.float())),
+        (AddressError, lambda: s.place(a[:1])),  # already has a row
         (UnknownRequest, lambda: c.extend("zz", 1)),
+        (ShapeError, lambda: c.extend("a", 1.0)),
+        (ShapeError, lambda: c.extend("a", True)),
+        (ShapeError, lambda: c.admit("b", float("nan"))),
+        (ShapeError, lambda: c.admit("b", 2.5)),
+        (ShapeError, lambda: c.admit("b", -1)),
         (DoubleFreeError, lambda: c.free("zz")),
         (CapacityExhausted, lambda: c.extend("a", 40)),  # more than this round's GPU room
         (ShapeError, lambda: c.admit("a", 1)),  # already admitted
@@ -141,15 +155,89 @@ def test_errors_leave_state_unchanged():
     c.check_integrity()
 
 
-def test_step_that_cannot_fit_is_refused_before_any_change():
+def test_step_that_cannot_fit_is_refused_and_the_refusal_is_necessary():
+    """9 distinct rows can never be GPU-resident at once in 8 slots: refused with nothing
+    changed. 8 (the pool size, all of them misses) are served: the refusal was not slack."""
     c = make(gpu_slots=8, cpu_slots=64)
     c.admit("a", 40)
-    grow(c, "a", 5, 8)
-    c.begin_round()
+    grow(c, "a", 5, 8)  # 40 tokens: the first 32 now live on the CPU
+    addrs = c.addresses("a")
+    c.space.begin_round()
     before = snapshot(c)
     with pytest.raises(CapacityExhausted, match="promote"):
-        c.access(0, c.addresses("a")[:12].view(1, -1))  # 12 distinct rows, 8 GPU slots
+        c.space.access(0, addrs[:9].view(1, -1))
     assert_same(before, snapshot(c))
+    rows = c.space.access(0, addrs[:8].view(1, -1))
+    assert sorted(rows.view(-1).tolist()) == list(range(8))
+    got = c.space.gpu_rows(0)[rows.view(-1).long()]
+    assert torch.equal(got, row_bytes_for(addrs[:8], 0, 0, RB))
+    c.check_integrity()
+
+
+def test_misses_that_exactly_fill_the_free_room_are_served():
+    """Free + evictable slots == distinct misses: served (no off-by-one refusal)."""
+    s = make_space(64, gpu_slots=8)
+    s.begin_round()
+    s.place(torch.arange(8))  # GPU full
+    s.begin_round()
+    s.place(torch.arange(8, 13))  # 5 spilled; 5 slots pinned this round
+    fill(s, torch.arange(13))
+    s.begin_round()
+    s.release(torch.tensor([8]))  # one free slot; 7 evictable
+    sel = torch.tensor([[0, 1, 2, 3, 9], [10, 11, 12, -1, -1]])  # 4 spilled + 4 GPU hits
+    hits = int((s.groups[0].loc[sel[sel >= 0]] < 8).sum())
+    misses = int((sel >= 0).sum()) - hits
+    eligible = int(s.groups[0].policy.eligible()) - hits
+    assert misses == eligible == 4  # 0..3 spilled; room: slot of 8 (free) + 3 unpinned
+    rows = s.access(0, sel)
+    assert bool((rows[sel >= 0] >= 0).all())
+    assert torch.equal(s.gpu_rows(0)[rows[sel >= 0].long()], row_bytes_for(sel[sel >= 0], 0, 0, RB))
+    s.check_integrity()
+
+
+def test_last_logical_address_is_live_in_an_engine_owned_space():
+    """The address next to the scratch entry keeps its row through place, write, spill,
+    promotion and release (an off-by-one in the scratch entry would lose it)."""
+    n = 20
+    s = make_space(n, gpu_slots=4, cpu_slots=16)
+    last = torch.tensor([n - 1])
+    s.begin_round()
+    s.place(last)
+    fill(s, last, version=3)
+    for chunk in (torch.arange(0, 4), torch.arange(4, 8)):  # spill it to the CPU tier
+        s.begin_round()
+        s.place(chunk)
+        fill(s, chunk)
+    g = s.groups[0]
+    assert int(g.loc[n - 1]) >= g.gpu_slots and int(g.loc[n]) == -1
+    s.begin_round()
+    rows = s.access(0, last.view(1, 1))
+    assert int(rows) >= 0 and int(g.loc[n]) == -1
+    assert torch.equal(s.read(0, last), row_bytes_for(last, 0, 3, RB))
+    s.check_integrity()
+    s.release(last)
+    assert int(g.loc[n - 1]) == -1 and int(g.loc[n]) == -1
+    s.check_integrity()
+
+
+@pytest.mark.parametrize("policy", ["pblru", "lru"])
+def test_recency_order_inside_recent_buckets(policy):
+    """With no free and no cold slot, victims are taken oldest first, and a re-touched row is
+    no longer among the oldest."""
+    s = make_space(64, gpu_slots=8, cpu_slots=32, n_buckets=8, policy=policy)
+    for r in range(4):  # 2 rows per round: epochs [0,1] [2,3] [4,5] [6,7]
+        s.begin_round()
+        s.place(torch.arange(2 * r, 2 * r + 2))
+    g = s.groups[0]
+    if policy == "pblru":
+        assert int((g.policy.bucket_of(torch.arange(8)) <= 1).sum()) == 0  # nothing free/cold
+    s.begin_round()
+    s.access(0, torch.tensor([[0]]))  # address 0 becomes the most recent
+    s.begin_round()
+    s.place(torch.arange(8, 11))  # 3 victims: oldest first, address 0 spared
+    on_cpu = sorted(a for a in range(8) if int(g.loc[a]) >= g.gpu_slots)
+    assert on_cpu == [1, 2, 3]
+    s.check_integrity()
 
 
 def test_access_promotes_swaps_and_preserves_padding():
@@ -157,20 +245,20 @@ def test_access_promotes_swaps_and_preserves_padding():
     c.admit("a", 64)
     grow(c, "a", 4, 12)  # 48 tokens, 16 GPU slots: 32 spilled
     addrs = c.addresses("a")
-    c.begin_round()
+    c.space.begin_round()
     sel = torch.tensor([[int(addrs[0]), -1, int(addrs[47]), int(addrs[0])],
                         [int(addrs[5]), int(addrs[6]), -1, -1]])
-    rows = c.access(0, sel)
+    rows = c.space.access(0, sel)
     assert rows.dtype == torch.int32 and rows.shape == sel.shape
     assert (rows[sel < 0] == -1).all() and (rows[sel >= 0] >= 0).all()
     assert rows[0, 0] == rows[0, 3]  # duplicates resolve to one row
     for layer in (0, 1):
-        got = c.gpu_rows(layer)[rows[sel >= 0].long()]
+        got = c.space.gpu_rows(layer)[rows[sel >= 0].long()]
         assert torch.equal(got, row_bytes_for(sel[sel >= 0], layer, 0, RB))
-    stats = c.groups[0].counter_values()
+    stats = c.space.groups[0].counter_values()
     assert stats["promotions"] >= 1 and stats["accesses"] == 4
     for layer in (0, 1):  # nothing lost by the swaps
-        assert torch.equal(c.read(addrs, layer), row_bytes_for(addrs, layer, 0, RB))
+        assert torch.equal(c.space.read(layer, addrs), row_bytes_for(addrs, layer, 0, RB))
     c.check_integrity()
 
 
@@ -178,25 +266,71 @@ def test_single_copy_when_victim_slot_free():
     """Promoting into a free GPU slot copies CPU -> GPU only: the vacated CPU slot is not
     overwritten (no write-back of a free slot's stale bytes)."""
     c = make(gpu_slots=16, cpu_slots=64)
+    s = c.space
     c.admit("a", 32)
     c.admit("b", 16)
-    c.begin_round()
-    fill(c, c.extend("b", 16))  # fills the GPU pool
-    c.begin_round()
+    s.begin_round()
+    fill(s, c.extend("b", 16))  # fills the GPU pool
+    s.begin_round()
     a = c.extend("a", 16)  # spills all of b to CPU
-    fill(c, a)
+    fill(s, a)
     c.free("a")  # 16 free GPU slots, b lives on CPU
-    g = c.groups[0]
+    g = s.groups[0]
     b = c.addresses("b")
-    cslots = g.loc[b] - g.G
+    cslots = g.loc[b] - g.gpu_slots
     assert bool((cslots >= 0).all())
     before = g.pools.cpu[:, cslots].clone()
-    c.begin_round()
-    rows = c.access(0, b[:6].view(1, -1))
+    s.begin_round()
+    rows = s.access(0, b[:6].view(1, -1))
     assert torch.equal(g.pools.cpu[:, cslots], before)  # vacated CPU rows untouched
-    assert torch.equal(c.gpu_rows(0)[rows.view(-1).long()], row_bytes_for(b[:6], 0, 0, RB))
-    assert g.counter_values()["promotions"] == 6
+    assert torch.equal(s.gpu_rows(0)[rows.view(-1).long()], row_bytes_for(b[:6], 0, 0, RB))
+    assert g.counter_values()["promotions"] == 6 and g.counter_values()["writebacks"] == 0
     c.check_integrity()
+
+
+def test_counters_and_bytes_match_an_independent_count():
+    """Every counter, and the Prometheus byte totals, equal counts taken from the state before
+    and after each operation (rows that changed tier), over a mixed workload."""
+    from ulacache.metrics import prometheus_text
+
+    c = make(gpu_slots=20, cpu_slots=96, layers_per_group=2, policy="pblru")
+    s, g = c.space, c.space.groups[0]
+    G = g.gpu_slots
+    exp = dict.fromkeys(("accesses", "gpu_hits", "promotions", "writebacks", "placed", "spills"),
+                        0)
+    gen = torch.Generator().manual_seed(7)
+    for rid in range(3):
+        c.admit(rid, 30)
+    for step in range(12):
+        s.begin_round()
+        before = g.loc.clone()
+        new = torch.cat(c.extend_batch(dict.fromkeys(range(3), 2 if step < 6 else 1)))
+        fill(s, new)
+        moved_down = int(((before < G) & (before >= 0) & (g.loc >= G)).sum())
+        exp["placed"] += new.numel()
+        exp["spills"] += moved_down
+        live = torch.cat([c.addresses(r) for r in range(3)])
+        sel = live[torch.randint(0, live.numel(), (2, 6), generator=gen)]
+        before = g.loc.clone()
+        distinct = sel.view(-1).unique()
+        s.access(0, sel)
+        exp["accesses"] += distinct.numel()
+        exp["gpu_hits"] += int((before[distinct] < G).sum())
+        exp["promotions"] += int((before[distinct] >= G).sum())
+        exp["writebacks"] += int(((before < G) & (before >= 0) & (g.loc >= G)).sum())
+        c.check_integrity()
+    got = g.counter_values()
+    assert {k: got[k] for k in exp} == exp
+    assert got["access_overflow"] == got["place_overflow"] == got["invalid"] == 0
+    assert exp["promotions"] > 0 and exp["writebacks"] > 0 and exp["spills"] > 0
+    s.health.flush()
+    text = prometheus_text(s)
+    per_row = RB * 2
+    assert f'ulacache_bytes_moved_total{{group="0",link="h2d"}} ' \
+           f'{float(exp["promotions"] * per_row)}' in text
+    assert f'ulacache_bytes_moved_total{{group="0",link="d2h"}} ' \
+           f'{float((exp["writebacks"] + exp["spills"]) * per_row)}' in text
+    assert f'ulacache_promotions_total{{group="0"}} {float(exp["promotions"])}' in text
 
 
 class WriteLog(TorchDispatchMode):
@@ -227,7 +361,8 @@ def test_data_then_map_order():
     c = make(gpu_slots=16, cpu_slots=64)
     c.admit("a", 64)
     grow(c, "a", 4, 12)
-    g = c.groups[0]
+    g = c.space.groups[0]
+    G = g.gpu_slots
     addrs = c.addresses("a")
     expect = {int(a): row_bytes_for(a.view(1), 0, 0, RB)[0] for a in addrs}
     loc_ptr = g.loc.untyped_storage().data_ptr()
@@ -244,20 +379,20 @@ def test_data_then_map_order():
                 p = int(g.loc[a])
                 if p < 0 or a not in expect:  # unmapped, or newly placed (no data yet)
                     continue
-                row = g.pools.gpu[0, p] if p < g.G else g.pools.cpu[0, p - g.G]
+                row = g.pools.gpu[0, p] if p < G else g.pools.cpu[0, p - G]
                 assert torch.equal(row, expect[a]), f"mapping of {a} published before its data"
                 checked[0] += 1
             prev.copy_(g.loc)
 
-    c.begin_round()
-    cold = addrs[:12].view(2, 6)  # mostly CPU-resident by now
-    log = WriteLog(reader)
-    with log:
-        rows = c.access(0, cold)
     def kinds_of(log: WriteLog) -> list[str]:
         return ["pool" if p in pool_ptrs else "map" if p == loc_ptr else "other"
                 for _, p in log.events]
 
+    c.space.begin_round()
+    cold = addrs[:12].view(2, 6)  # mostly CPU-resident by now
+    log = WriteLog(reader)
+    with log:
+        rows = c.space.access(0, cold)
     kinds = kinds_of(log)
     assert "pool" in kinds and "map" in kinds
     assert max(i for i, k in enumerate(kinds) if k == "pool") < kinds.index("map")
@@ -265,13 +400,13 @@ def test_data_then_map_order():
     assert torch.equal(g.pools.gpu[0][rows.view(-1).long()],
                        torch.stack([expect[int(a)] for a in cold.view(-1)]))
     # spills on placement follow the same order
-    c.begin_round()
+    c.space.begin_round()
     log = WriteLog(reader)
     with log:
         new = c.extend("a", 10)
     kinds = kinds_of(log)
     assert kinds.index("pool") < kinds.index("map")
-    fill(c, new)
+    fill(c.space, new)
     c.check_integrity()
 
 
@@ -279,9 +414,9 @@ def test_out_buffer_is_reused():
     c = make()
     c.admit("a", 20)
     a = c.extend("a", 10)
-    fill(c, a)
+    fill(c.space, a)
     out = torch.empty(2, 3, dtype=torch.int32)
-    r = c.access(0, a[:6].view(2, 3), out=out)
+    r = c.space.access(0, a[:6].view(2, 3), out=out)
     assert r.data_ptr() == out.data_ptr()
 
 
@@ -291,29 +426,33 @@ def test_free_and_abort_return_everything():
         c.admit(rid, 20)
     for _ in range(2):
         for rid in "abc":
-            c.begin_round()
-            fill(c, c.extend(rid, 7))
+            c.space.begin_round()
+            fill(c.space, c.extend(rid, 7))
     c.abort("b")
     c.check_integrity()
     c.free("a")
     c.free("c")
     c.check_integrity()
-    for g in c.groups:
-        assert int((g.gpu_owner[: g.G] >= 0).sum()) == 0 and int(g.pools.cpu_top) == g.C
+    for g in c.space.groups:
+        assert int((g.gpu_owner[: g.gpu_slots] >= 0).sum()) == 0
+        assert int(g.pools.cpu_top) == g.cpu_slots
     assert c.free_capacity == c.config.unique_capacity
 
 
-def test_prometheus_text_reports_counters_and_bytes():
+def test_prometheus_text_reports_counters_and_occupancy():
     from ulacache.metrics import prometheus_text
 
     c = make(gpu_slots=16, cpu_slots=64)
     c.admit("a", 40)
     grow(c, "a", 3, 10)
-    c.begin_round()
-    c.access(0, c.addresses("a")[:12].view(1, -1))
-    text = prometheus_text(c)
-    g = c.groups[0].counter_values()
-    assert f'ulacache_promotions_total{{group="0"}} {g["promotions"]}' in text
-    assert f'ulacache_bytes_moved_total{{group="0",link="h2d"}} {g["promotions"] * RB}' in text
-    assert 'ulacache_gpu_used_slots{group="0"} 16' in text
+    c.space.begin_round()
+    c.space.access(0, c.addresses("a")[:12].view(1, -1))
+    c.space.health.flush()
+    text = prometheus_text(c.space, reserved_tokens=lambda: c.reserved_total)
+    g = c.space.groups[0].counter_values()
+    assert f'ulacache_promotions_total{{group="0"}} {float(g["promotions"])}' in text
+    assert 'ulacache_gpu_used_slots{group="0"} 16.0' in text
+    assert 'ulacache_cpu_used_slots{group="0"} 14.0' in text
     assert "# TYPE ulacache_spills_total counter" in text
+    assert "ulacache_reserved_tokens 40.0" in text
+    assert 'ulacache_place_overflow_total{group="0"} 0.0' in text

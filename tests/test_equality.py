@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from ulacache.config import UlaCacheConfig
-from ulacache.driver import run_equality
-from ulacache.refmodel import ModelGeometry
+from ulacache.oracle.driver import run_equality
+from ulacache.oracle.refmodel import ModelGeometry
 
 
 @pytest.mark.parametrize("layers_per_indexer", [1, 2], ids=["per-layer", "shared"])
@@ -17,8 +17,7 @@ def test_decode_through_ulacache_equals_resident(layout, layers_per_indexer):
     geom = ModelGeometry.tiny(layout=layout, layers_per_indexer=layers_per_indexer)
     cfg = UlaCacheConfig(layout="tiny", row_bytes=geom.row_bytes, n_layers=geom.n_layers,
                          layers_per_group=layers_per_indexer, gpu_slots=160, cpu_slots=640,
-                         page_size=64, max_requests=8, top_k=geom.index_topk, max_batch=4,
-                         n_buckets=4)
+                         page_size=64, max_requests=8, n_buckets=4)
     prompts = [150, 90, 40, 120]
     report = run_equality(geom, cfg, prompts, n_steps=64)
     assert report.identical, report.mismatches[:5]

@@ -33,11 +33,11 @@ def test_captured_access_replays_like_eager(policy):
     for r in range(bs):
         _both(caches, lambda c, r=r: c.admit(r, 1200))
         for _ in range(4):  # 1024-token prompts in rounds of 256
-            _both(caches, lambda c: c.begin_round())
+            _both(caches, lambda c: c.space.begin_round())
             addrs = _both(caches, lambda c, r=r: c.extend(r, 256))
             for c, a in zip(caches, addrs):
                 for layer in range(2):
-                    c.write(a, layer, row_bytes_for(a.cpu(), layer, 0, RB).to(c.device))
+                    c.space.write(layer, a, row_bytes_for(a.cpu(), layer, 0, RB).to(c.device))
     gen = torch.Generator().manual_seed(0)
     static = torch.full((bs, k), -1, dtype=torch.int64, device="cuda")
     out = torch.empty(bs, k, dtype=torch.int32, device="cuda")
@@ -54,13 +54,13 @@ def test_captured_access_replays_like_eager(policy):
 
     # warm up (eager, identical on both), then capture one step
     for _ in range(3):
-        _both(caches, lambda c: c.begin_round())
+        _both(caches, lambda c: c.space.begin_round())
         sel = pick()
-        a = gpu.access(0, sel.cuda())
-        b = cpu.access(0, sel)
+        a = gpu.space.access(0, sel.cuda())
+        b = cpu.space.access(0, sel)
         assert torch.equal(a.cpu(), b)
     torch.cuda.synchronize()
-    _both(caches, lambda c: c.begin_round())
+    _both(caches, lambda c: c.space.begin_round())
     sel = pick()
     static.copy_(sel)
     graph = torch.cuda.CUDAGraph()
@@ -68,26 +68,28 @@ def test_captured_access_replays_like_eager(policy):
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         with torch.cuda.graph(graph):
-            gpu.access(0, static, out=out)
+            gpu.space.access(0, static, out=out)
     torch.cuda.current_stream().wait_stream(s)
     # capture does not run the work: replay it as this round's step, then keep replaying
     for step in range(12):
         if step:
-            _both(caches, lambda c: c.begin_round())
+            _both(caches, lambda c: c.space.begin_round())
             for r in range(bs):
                 addrs = _both(caches, lambda c, r=r: c.extend(r, 1))
                 for c, a in zip(caches, addrs):
                     for layer in range(2):
-                        c.write(a, layer, row_bytes_for(a.cpu(), layer, step, RB).to(c.device))
+                        c.space.write(layer, a,
+                                      row_bytes_for(a.cpu(), layer, step, RB).to(c.device))
             sel = pick()
             static.copy_(sel)
         graph.replay()
-        ref = cpu.access(0, sel)
+        ref = cpu.space.access(0, sel)
         torch.cuda.synchronize()
         assert torch.equal(out.cpu(), ref)
-        g_gpu, g_cpu = gpu.groups[0], cpu.groups[0]
+        g_gpu, g_cpu = gpu.space.groups[0], cpu.space.groups[0]
         assert torch.equal(g_gpu.loc.cpu(), g_cpu.loc)
         for layer in range(2):
             rows = out.long().clamp(min=0)
-            assert torch.equal(gpu.gpu_rows(layer)[rows].cpu(), cpu.gpu_rows(layer)[rows.cpu()])
+            assert torch.equal(gpu.space.gpu_rows(layer)[rows].cpu(),
+                               cpu.space.gpu_rows(layer)[rows.cpu()])
         gpu.check_integrity()

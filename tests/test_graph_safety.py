@@ -13,7 +13,7 @@ import ulacache.kernels.reference as ref
 from ulacache.cache import UlaCache
 from ulacache.config import UlaCacheConfig
 
-from .helpers import row_bytes_for
+from .helpers import fill, row_bytes_for
 
 SYNCING = {"aten.nonzero", "aten._local_scalar_dense", "aten.item", "aten.unique",
            "aten._unique2", "aten.unique_consecutive", "aten.masked_select", "aten.equal",
@@ -40,12 +40,11 @@ def test_access_path_is_sync_free_and_fixed_shape(policy, monkeypatch):
                          gpu_slots=64, cpu_slots=256, page_size=4, n_buckets=4, policy=policy,
                          validate=False)
     c = UlaCache(cfg)
+    s = c.space
     c.admit("a", 200)
     for _ in range(5):
-        c.begin_round()
-        a = c.extend("a", 40)
-        for layer in range(2):
-            c.write(a, layer, row_bytes_for(a, layer, 0, 16))
+        s.begin_round()
+        fill(s, c.extend("a", 40))
     addrs = c.addresses("a")
     out = torch.empty(2, 8, dtype=torch.int32)
     logs = []
@@ -53,14 +52,14 @@ def test_access_path_is_sync_free_and_fixed_shape(policy, monkeypatch):
         g = torch.Generator().manual_seed(seed)
         sel = addrs[torch.randperm(addrs.numel(), generator=g)[:16]].view(2, 8)
         sel[0, -1 - seed] = -1
-        c.begin_round()
+        s.begin_round()
         log = OpLog()
         with log:
-            c.access(0, sel, out=out)
+            s.access(0, sel, out=out)
         logs.append(log.ops)
-        got = c.gpu_rows(0)[out[sel >= 0].long()]
+        got = s.gpu_rows(0)[out[sel >= 0].long()]
         assert torch.equal(got, row_bytes_for(sel[sel >= 0], 0, 0, 16))
-    assert c.groups[0].counter_values()["promotions"] > 0
+    assert s.groups[0].counter_values()["promotions"] > 0
     names = {op for op, _ in logs[0]}
     assert not names & SYNCING, names & SYNCING
     assert logs[0] == logs[1], "op sequence or output shapes depend on the data"

@@ -13,10 +13,13 @@ Three tiers:
 from __future__ import annotations
 
 import ctypes
+import fnmatch
 import gc
 import hashlib
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -266,6 +269,55 @@ def test_choose_rows_per_warp():
     assert cuda_rows.choose_rows_per_warp(131072, 4) == 4
     assert cuda_rows.choose_rows_per_warp(131072, 3, swap=True) == 4
     assert [cuda_rows.vectors_per_lane(b) for b in (16, 656, 1152, 2048, 4096)] == [1, 2, 3, 4, 4]
+
+
+# ---------------------------------------------------------------------------------------------
+# the CUDA source file (kernels/rows.cu, read as text at import)
+# ---------------------------------------------------------------------------------------------
+REPO = Path(__file__).resolve().parent.parent
+ROWS_CU = REPO / "kernels" / "rows.cu"
+
+
+def test_cuda_source_is_rows_cu():
+    assert isinstance(cuda_rows.CUDA_SOURCE, str)
+    assert cuda_rows.CUDA_SOURCE == ROWS_CU.read_text(encoding="utf-8")
+    assert cuda_rows.CUDA_SOURCE == (Path(cuda_rows.__file__).parent / "rows.cu").read_text()
+    lines = [ln.strip() for ln in cuda_rows.CUDA_SOURCE.splitlines()]
+    assert not [ln for ln in lines if ln.startswith("#include")]  # NVRTC gets no headers
+    for name in cuda_rows.KERNEL_NAMES:
+        assert f"void {name}(" in cuda_rows.CUDA_SOURCE or f"({name}," in cuda_rows.CUDA_SOURCE
+    src = cuda_rows.module_source(8, 3, True)
+    assert src == "#define ROWS 8\n#define VPL 3\n#define ULA_NC 1\n" + cuda_rows.CUDA_SOURCE
+
+
+def test_cuda_source_loads_from_plain_source_checkout(tmp_path):
+    """Without the installed package (editable finder removed), ``ulacache/__init__.py`` puts
+    the checkout root on ``ulacache.__path__``, so ``ulacache.kernels`` is ``kernels/`` and
+    ``importlib.resources`` finds rows.cu there."""
+    code = (
+        "import sys\n"
+        "sys.meta_path[:] = [f for f in sys.meta_path\n"
+        "                    if '__editable__' not in str(getattr(f, '__module__', ''))]\n"
+        "import ulacache.kernels.cuda_rows as c\n"
+        "from pathlib import Path\n"
+        f"root = Path({str(REPO)!r})\n"
+        "assert Path(c.__file__).resolve() == root / 'kernels' / 'cuda_rows.py', c.__file__\n"
+        "assert c.CUDA_SOURCE == (root / 'kernels' / 'rows.cu').read_text(encoding='utf-8')\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_rows_cu_is_package_data():
+    tomllib = pytest.importorskip("tomllib")
+
+    conf = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert conf["package-dir"]["ulacache.kernels"] == "kernels"
+    globs = conf["package-data"]["ulacache.kernels"]
+    assert any(fnmatch.fnmatch(ROWS_CU.name, g) for g in globs), globs
 
 
 # ---------------------------------------------------------------------------------------------

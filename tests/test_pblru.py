@@ -1,4 +1,4 @@
-"""PB-LRU and exact LRU against plain-Python reference models."""
+"""PB-LRU and exact LRU against plain-Python reference models (sets and timestamps)."""
 
 from __future__ import annotations
 
@@ -10,26 +10,42 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ulacache.errors import ShapeError
-from ulacache.pblru import PBLRU, ExactLRU, make_policy
+from ulacache.pblru import PBLRU, POLICIES, ExactLRU, make_policy
 
 
 class RefBuckets:
-    """The paper's PB-LRU spelled out with Python sets."""
+    """PB-LRU with turnover-paced epochs, spelled out with Python sets.
 
-    def __init__(self, n: int, nb: int):
-        self.n, self.nb, self.round = n, nb, 0
+    ``current`` holds this round's touches; at a round's end it joins the newest epoch, and a
+    new epoch starts (the oldest recent epoch retiring to cold) once ``fill`` slots turned over
+    (assigned, or touched out of cold or free) since the last one.
+    """
+
+    def __init__(self, n: int, nb: int, fill: int):
+        self.n, self.nb, self.fill = n, nb, fill
         self.free = set(range(n))
         self.cold: set[int] = set()
-        self.recent = [set() for _ in range(nb)]
+        self.epochs = [set() for _ in range(nb)]  # oldest .. newest
+        self.current: set[int] = set()
+        self.entered = 0
 
-    def _remove(self, s: int) -> None:
-        for b in [self.free, self.cold, *self.recent]:
-            b.discard(s)
+    def _remove(self, s: int) -> str:
+        for name, b in [("free", self.free), ("cold", self.cold), ("cur", self.current)]:
+            if s in b:
+                b.discard(s)
+                return name
+        for b in self.epochs:
+            if s in b:
+                b.discard(s)
+                return "recent"
+        raise AssertionError(s)
 
-    def touch(self, slots):
+    def touch(self, slots, assigned: bool = False):
         for s in slots:
-            self._remove(s)
-            self.recent[self.round % self.nb].add(s)
+            was = self._remove(s)
+            self.current.add(s)
+            if was != "cur" and (assigned or was in ("cold", "free")):
+                self.entered += 1
 
     def release(self, slots):
         for s in slots:
@@ -37,15 +53,17 @@ class RefBuckets:
             self.free.add(s)
 
     def advance(self):
-        self.round += 1
-        cur = self.round % self.nb
-        self.cold |= self.recent[cur]
-        self.recent[cur] = set()
+        self.epochs[-1] |= self.current
+        self.current = set()
+        if self.entered >= self.fill:
+            self.entered = 0
+            self.cold |= self.epochs.pop(0)
+            self.epochs.append(set())
 
     def victims(self, n):
         order = sorted(self.free) + sorted(self.cold)
-        for age in range(1, self.nb):
-            order += sorted(self.recent[(self.round + age) % self.nb])
+        for b in self.epochs:
+            order += sorted(b)
         return (order + [-1] * n)[:n]
 
 
@@ -54,7 +72,7 @@ class RefLRU:
         self.stamp = [-1] * n
         self.round = 0
 
-    def touch(self, slots):
+    def touch(self, slots, assigned: bool = False):
         for s in slots:
             self.stamp[s] = self.round
 
@@ -71,21 +89,23 @@ class RefLRU:
 
 
 ops = st.lists(
-    st.tuples(st.sampled_from(["touch", "release", "advance", "victims"]),
+    st.tuples(st.sampled_from(["touch", "assign", "release", "advance", "victims"]),
               st.lists(st.integers(0, 199), max_size=40, unique=True)),
     min_size=1, max_size=60)
 
 
-@settings(max_examples=60, deadline=None)
-@given(ops=ops, n=st.sampled_from([1, 63, 64, 126, 200]), nb=st.sampled_from([2, 3, 8]))
-def test_pblru_matches_bucket_model(ops, n, nb):
-    pol, ref = PBLRU(n, nb), RefBuckets(n, nb)
+@settings(max_examples=80, deadline=None)
+@given(ops=ops, n=st.sampled_from([1, 63, 64, 126, 200]), nb=st.sampled_from([2, 3, 8]),
+       fill=st.sampled_from([None, 0, 1, 5]))
+def test_pblru_matches_bucket_model(ops, n, nb, fill):
+    pol = PBLRU(n, nb, bucket_fill=fill)
+    ref = RefBuckets(n, nb, pol.bucket_fill)
     for op, slots in ops:
         slots = [s for s in slots if s < n]
         t = torch.tensor(slots + [-1, -1], dtype=torch.int64)  # padding is ignored
-        if op == "touch":
-            pol.touch(t)
-            ref.touch(slots)
+        if op in ("touch", "assign"):
+            (pol.assign if op == "assign" else pol.touch)(t)
+            ref.touch(slots, assigned=op == "assign")
         elif op == "release":
             used = [s for s in slots if s not in ref.free]
             pol.release(torch.tensor(used, dtype=torch.int64))
@@ -96,6 +116,7 @@ def test_pblru_matches_bucket_model(ops, n, nb):
         k = len(slots) + 5
         assert pol.victims(k).tolist() == ref.victims(k)
         assert int(pol.eligible()) == len([v for v in ref.victims(n + 1) if v >= 0])
+        assert int(pol.used_count()) == n - len(ref.free)
         pol.check_integrity()
 
 
@@ -106,8 +127,8 @@ def test_exact_lru_matches_model(ops, n):
     for op, slots in ops:
         slots = [s for s in slots if s < n]
         t = torch.tensor(slots, dtype=torch.int64)
-        if op == "touch":
-            pol.touch(t)
+        if op in ("touch", "assign"):
+            getattr(pol, op)(t)
             ref.touch(slots)
         elif op == "release":
             pol.release(t)
@@ -120,7 +141,7 @@ def test_exact_lru_matches_model(ops, n):
         pol.check_integrity()
 
 
-@pytest.mark.parametrize("name", ["pblru", "lru"])
+@pytest.mark.parametrize("name", sorted(POLICIES))
 def test_current_round_never_victim(name):
     pol = make_policy(name, 100, 4)
     pol.touch(torch.arange(100))
@@ -130,20 +151,45 @@ def test_current_round_never_victim(name):
     pol.touch(torch.arange(0, 100, 2))
     v = pol.victims(60)
     assert set(v[:50].tolist()) == set(range(1, 100, 2)) and (v[50:] == -1).all()
-    assert pol.in_current_round(torch.tensor([0, 1, -1])).tolist() == [True, False, False]
+    assert pol.pinned(torch.tensor([0, 1, -1])).tolist() == [True, False, False]
+
+
+def test_epochs_follow_turnover_not_rounds():
+    """With one epoch per round (bucket_fill=0) a slot not touched for n_b rounds turns cold
+    and loses its order; paced by turnover, quiet rounds (only re-touches of hot slots) do not
+    age the recent buckets."""
+    hot = torch.tensor([0, 1])
+    for fill, expect_cold in ((0, True), (None, False)):
+        pol = PBLRU(16, n_buckets=2, bucket_fill=fill)
+        pol.assign(torch.arange(2, 6))  # 4 rows turn over: half of bucket_fill (16 / 2)
+        pol.advance()
+        for _ in range(5):  # quiet rounds
+            pol.touch(hot)
+            pol.advance()
+        cold = bool((pol.bucket_of(torch.arange(2, 6)) == 1).all())
+        assert cold == expect_cold
+    pol = PBLRU(16, n_buckets=2)  # fill 8: the 8th assignment starts a new epoch
+    pol.assign(torch.arange(7))
+    pol.advance()
+    assert int(pol.epoch_t) == 0
+    pol.assign(torch.tensor([7]))
+    pol.advance()
+    assert int(pol.epoch_t) == 1
 
 
 def test_cold_before_recent_and_oldest_first():
-    pol = PBLRU(10, n_buckets=3)
+    pol = PBLRU(10, n_buckets=3, bucket_fill=0)  # one epoch per round: the paper's rotation
     pol.touch(torch.tensor([0, 1]))  # round 0
     pol.advance()
     pol.touch(torch.tensor([2, 3]))  # round 1
     pol.advance()
     pol.touch(torch.tensor([4]))  # round 2
-    pol.advance()  # round 3: round-0 bucket retires to cold
+    pol.advance()  # the round-0 epoch retires to cold
     pol.touch(torch.tensor([5]))
     assert pol.victims(10).tolist() == [6, 7, 8, 9, 0, 1, 2, 3, 4, -1]
-    assert pol.bucket_of(torch.tensor([0, 2, 5, 9])).tolist() == [1, 3, 2, 0]
+    cold, current = 1, pol.current_row
+    rows = pol.bucket_of(torch.tensor([0, 2, 5, 9])).tolist()
+    assert rows[0] == cold and rows[2] == current and rows[3] == 0 and rows[1] >= 2
 
 
 def test_touch_is_idempotent_within_round():
@@ -157,16 +203,29 @@ def test_touch_is_idempotent_within_round():
 def test_bad_slot_tensor_rejected():
     with pytest.raises(ShapeError):
         PBLRU(8).touch(torch.tensor([1, 2], dtype=torch.int32))
+    with pytest.raises(ShapeError):
+        make_policy("fifo", 8)
 
 
-def test_large_random_against_model():
+def test_out_of_range_slots_are_ignored():
+    pol = PBLRU(8, 2)
+    pol.touch(torch.tensor([3, 8, 100, -5]))
+    pol.check_integrity()
+    assert int(pol.used_count()) == 1
+
+
+@pytest.mark.parametrize("fill", [0, None])
+def test_large_random_against_model(fill):
     rng = random.Random(0)
     n = 5000
-    pol, ref = PBLRU(n, 8), RefBuckets(n, 8)
+    pol = PBLRU(n, 8, bucket_fill=fill)
+    ref = RefBuckets(n, 8, pol.bucket_fill)
     for _ in range(30):
         slots = rng.sample(range(n), 300)
-        pol.touch(torch.tensor(slots))
-        ref.touch(slots)
+        pol.assign(torch.tensor(slots[:100]))
+        ref.touch(slots[:100], assigned=True)
+        pol.touch(torch.tensor(slots[100:]))
+        ref.touch(slots[100:])
         if rng.random() < 0.3:
             rel = [s for s in rng.sample(range(n), 50) if s not in ref.free]
             pol.release(torch.tensor(rel, dtype=torch.int64))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ulacache.errors import AddressError, ConfigError, ShapeError, UnknownRequest
-from ulacache.refmodel import (
+from ulacache.oracle.refmodel import (
     DSAMLAModel,
     LatentStore,
     ModelGeometry,

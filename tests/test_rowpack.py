@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ulacache.errors import ShapeError
-from ulacache.rowpack import (
+from ulacache.oracle.rowpack import (
     FP8_MAX,
     bf16_row_bytes,
     fp8_row_bytes,

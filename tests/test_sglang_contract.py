@@ -214,8 +214,8 @@ def test_call_sequence(shared):
         h.decode_step([1, 2, 3])
     h.verify_step([1, 2, 3])
     h.decode_step([1, 2, 3])
-    stats = h.pool.core.stats()
-    assert stats["group0_promotions"] > 0 and stats["group0_spills"] > 0
+    stats = h.pool.core.counters()[0]
+    assert stats["promotions"] > 0 and stats["spills"] > 0
     tok = h.coord.get_token_stats()
     assert tok.device_tokens > 0 and tok.host_tokens > 0 and 0 < tok.device_token_usage <= 1
     h.finish(2, "retract")
@@ -228,7 +228,8 @@ def test_call_sequence(shared):
     h.finish(3, "finish")
     assert h.alloc.available_size() == capacity
     for g in h.pool.core.groups:
-        assert int((g.gpu_owner[: g.G] >= 0).sum()) == 0 and int(g.pools.cpu_top) == g.C
+        assert int((g.gpu_owner[: g.gpu_slots] >= 0).sum()) == 0
+        assert int(g.pools.cpu_top) == g.cpu_slots
     h.coord.destroy()
 
 

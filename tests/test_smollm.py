@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("gguf")
 pytest.importorskip("tokenizers")
 pytest.importorskip("yaml")  # gguf imports it
-from ulacache import smollm  # noqa: E402
+from ulacache.tools import smollm  # noqa: E402
 
 try:
     smollm.default_gguf_path()

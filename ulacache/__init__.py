@@ -1,4 +1,27 @@
-"""ulacache: unified logical KV address space for sparse-attention serving."""
+"""ulacache: unified logical KV address space for sparse-attention serving.
+
+The package is the product's core; it imports neither SGLang nor numpy and runs on CPU tensors:
+
+====================  ==========================================================================
+``config``            typed, validated settings (msgspec)
+``layout``            row formats: the one place row sizes are defined
+``errors``            typed errors
+``address``           logical pages, owner / local-position math (TP striping)
+``pools``             GPU and CPU row pools, the CPU free stack, checked allocation
+``pblru``             replacement policies: PB-LRU and exact LRU, the policy registry
+``group``             one selection group: mapping, reverse maps, place / access / release
+``space``             ``AddressSpace``: the address-level core the SGLang plugin calls
+``cache``             ``UlaCache``: a request ledger (admission, pages) over an address space
+``streams``           one stream for every core mutation
+``health``            counters off the device without sync; overflow warnings
+``metrics``           Prometheus collector
+====================  ==========================================================================
+
+Beside it: ``ulacache.kernels`` (data-movement kernels, from ``kernels/``), ``ulacache.patches``
+(the SGLang plugin, from ``patches/``), ``ulacache.oracle`` (the reference DSA-MLA model that
+proves decoding through the core is exact) and ``ulacache.tools`` (selection traces, replay,
+the ``ulacache`` command line).
+"""
 
 from pathlib import Path as _Path
 

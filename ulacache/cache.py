@@ -1,8 +1,11 @@
-"""The façade the engine (and the SGLang seams) call: one rank's ulacache in DP mode.
+"""The request ledger: admission and logical pages for engines that do not allocate logical
+addresses themselves (the reference model's driver, the trace replay, tests).
 
-It owns the logical page allocator, the per-request ledger (admission charges a request's
-tokens against unique capacity = GPU + CPU slots) and one :class:`SelectionGroup` per group of
-layers that share a top-k selection.
+:class:`UlaCache` owns a logical page allocator and a per-request ledger (admission charges a
+request's tokens against unique capacity = GPU + CPU slots, so a full system refuses a request
+instead of failing it mid-decode) over an :class:`~ulacache.space.AddressSpace`, which holds the
+data. Under SGLang the engine's own allocator plays this role and the address space is used
+directly.
 
 Region table of a request's positions::
 
@@ -20,11 +23,19 @@ import torch
 
 from .address import PageAllocator, addresses_of
 from .config import UlaCacheConfig
-from .errors import CapacityExhausted, DoubleFreeError, ShapeError, UnknownRequest
-from .group import SelectionGroup
-from .pools import resolve_device
+from .errors import AddressError, CapacityExhausted, DoubleFreeError, ShapeError, UnknownRequest
+from .space import AddressSpace
 
 logger = logging.getLogger(__name__)
+
+
+def _count(value, name: str) -> int:
+    """A non-negative integer count (bool, float, NaN and negative values are refused)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ShapeError(f"{name} must be a non-negative integer, got {value!r}")
+    if value < 0:
+        raise ShapeError(f"{name} must be a non-negative integer, got {value}")
+    return value
 
 
 @dataclass
@@ -37,49 +48,27 @@ class RequestState:
 
 
 class UlaCache:
-    """One rank's unified logical KV address space (DP mode).
+    """One rank's request ledger over an address space (DP mode).
 
     Typical use per scheduling round::
 
-        cache.begin_round()                       # PB-LRU advances once per round
-        addrs = cache.extend(rid, n)              # new tokens: logical addresses + GPU slots
-        cache.write(addrs, layer, rows)           # their latent rows, per layer
-        rows = cache.access(group, topk_addrs)    # int32 [bs, k] GPU rows for attention
+        cache.space.begin_round()                   # policies advance once per round
+        addrs = cache.extend(rid, n)                # new tokens: logical addresses + GPU slots
+        cache.space.write(layer, addrs, rows)       # their latent rows, per layer
+        rows = cache.space.access(group, topk)      # int32 [bs, k] GPU rows for attention
+        cache.free(rid)                             # finish or abort
     """
 
     def __init__(self, config: UlaCacheConfig, device: torch.device | str = "cpu", *,
-                 layer_groups: list[list[int]] | None = None,
-                 gpu_storage: list[torch.Tensor] | None = None, n_logical: int | None = None):
-        """``layer_groups`` overrides the uniform ``layers_per_group`` split (e.g. GLM-5.2's
-        last, shorter group); ``gpu_storage`` gives each group an engine-owned GPU pool
-        (``uint8 [L_g, G + 1, row_bytes]``); ``n_logical`` sizes the address space when an
-        engine allocates logical addresses itself (then the page allocator here is unused)."""
+                 layer_groups: list[list[int]] | None = None):
         self.config = config
-        self.device = resolve_device(device)
         P = config.page_size
         self.pages = PageAllocator(config.n_logical_pages, P)
-        self.n_logical = n_logical if n_logical is not None else config.n_logical_pages * P
-        L = config.layers_per_group
-        layer_groups = layer_groups or [list(range(g * L, (g + 1) * L))
-                                        for g in range(config.n_groups)]
-        if sorted(x for g in layer_groups for x in g) != list(range(config.n_layers)):
-            raise ShapeError(f"layer_groups {layer_groups} must partition the "
-                             f"{config.n_layers} layers")
-        if gpu_storage is not None and len(gpu_storage) != len(layer_groups):
-            raise ShapeError("gpu_storage needs one tensor per layer group")
-        self.groups = [
-            SelectionGroup(layers, self.n_logical, config.gpu_slots, config.cpu_slots,
-                           config.row_layout.row_bytes, self.device, config.policy,
-                           config.n_buckets, config.validate,
-                           None if gpu_storage is None else gpu_storage[i])
-            for i, layers in enumerate(layer_groups)
-        ]
-        self.layer_to_group = {layer: gi for gi, g in enumerate(self.groups) for layer in g.layers}
+        self.space = AddressSpace(config, device, n_logical=config.n_logical_pages * P,
+                                  layer_groups=layer_groups)
+        self.device = self.space.device
         self.requests: dict[Hashable, RequestState] = {}
         self.reserved_total = 0
-        logger.info("ulacache: %d group(s) x %d layer(s), %d GPU + %d CPU slots of %d B per "
-                    "layer, %d logical addresses", len(self.groups), L, config.gpu_slots,
-                    config.cpu_slots, config.row_layout.row_bytes, self.n_logical)
 
     # -- admission -----------------------------------------------------------------------
     @property
@@ -89,10 +78,13 @@ class UlaCache:
 
     def admit(self, rid: Hashable, tokens: int) -> None:
         """Charge ``tokens`` (prompt + decode budget) for a new request, or refuse it."""
+        try:
+            hash(rid)
+        except TypeError:
+            raise ShapeError(f"request id must be hashable, got {type(rid).__name__}") from None
+        tokens = _count(tokens, "admit: tokens")
         if rid in self.requests:
             raise ShapeError(f"request {rid!r} is already admitted")
-        if tokens < 0:
-            raise ShapeError("tokens must be >= 0")
         if len(self.requests) >= self.config.max_requests:
             raise CapacityExhausted(f"{self.config.max_requests} requests already admitted")
         if tokens > self.free_capacity:
@@ -104,7 +96,7 @@ class UlaCache:
     def _req(self, rid: Hashable) -> RequestState:
         try:
             return self.requests[rid]
-        except KeyError:
+        except (KeyError, TypeError):
             raise UnknownRequest(f"request {rid!r} is not admitted (or already freed)") from None
 
     # -- allocation of new tokens ----------------------------------------------------------
@@ -113,50 +105,41 @@ class UlaCache:
 
         Returns ``int64 [n]`` logical addresses on the cache's device. Beyond the request's
         reservation the reservation grows if capacity is free, else :class:`CapacityExhausted`.
-        Everything is checked before anything changes.
+        Everything (room in every group included) is checked before anything changes.
         """
-        req = self._req(rid)
-        if n < 0:
-            raise ShapeError("n must be >= 0")
-        grow = max(0, req.n_tokens + n - req.reserved)
-        if grow > self.free_capacity:
-            raise CapacityExhausted(f"request {rid!r} outgrows its reservation by {grow} tokens "
-                                    f"and only {self.free_capacity} are free")
+        return self.extend_batch({rid: n})[0]
+
+    def extend_batch(self, counts: dict[Hashable, int]) -> list[torch.Tensor]:
+        """:meth:`extend` for several requests at once (one placement, as an engine places a
+        decode batch's new tokens); all-or-nothing. Returns the addresses per request, in the
+        order of ``counts``."""
+        if not isinstance(counts, dict):
+            raise ShapeError("extend_batch: counts must be a dict {request id: tokens}")
         P = self.config.page_size
-        new_pages = -(-(req.n_tokens + n) // P) - len(req.pages)
-        if new_pages > self.pages.n_free:
-            raise CapacityExhausted(f"{new_pages} logical pages wanted, {self.pages.n_free} free")
-        self.check_room(n)
-        req.pages += self.pages.alloc(new_pages)
-        req.reserved += grow
-        self.reserved_total += grow
-        addrs = addresses_of(req.pages, P, req.n_tokens, req.n_tokens + n, self.device)
-        req.n_tokens += n
-        for g in self.groups:
-            g.place(addrs)
-        return addrs
-
-    # -- address-level API (engines that allocate logical addresses themselves) ----------------
-    def check_room(self, n: int) -> None:
-        """Raise :class:`CapacityExhausted` unless ``n`` new rows fit this round in every group."""
-        for g in self.groups:
-            g.check_place_room(n)
-
-    def place(self, addrs: torch.Tensor) -> None:
-        """Give new (unmapped, distinct) addresses a GPU slot in every group; all-or-nothing
-        when ``validate`` is on. Without it (the decode path under SGLang) there is no host sync:
-        the caller guarantees room, as the coordinator's start-up check does for decode."""
-        addrs = addrs.reshape(-1).to(self.device, torch.int64)
-        if self.config.validate:
-            self.check_room(int((addrs >= 0).sum()))
-        for g in self.groups:
-            g.place(addrs)
-
-    def release(self, addrs: torch.Tensor) -> None:
-        """Drop the rows of these addresses in every group (unmapped entries are skipped)."""
-        addrs = addrs.reshape(-1).to(self.device, torch.int64)
-        for g in self.groups:
-            g.release(addrs)
+        grow = pages = 0
+        plan = []
+        for rid, n in counts.items():
+            req = self._req(rid)
+            n = _count(n, "extend: n")
+            g = max(0, req.n_tokens + n - req.reserved)
+            grow += g
+            pages += -(-(req.n_tokens + n) // P) - len(req.pages)
+            plan.append((req, n, g))
+        if grow > self.free_capacity:
+            raise CapacityExhausted(f"requests outgrow their reservations by {grow} tokens and "
+                                    f"only {self.free_capacity} are free")
+        if pages > self.pages.n_free:
+            raise CapacityExhausted(f"{pages} logical pages wanted, {self.pages.n_free} free")
+        self.space.check_room(sum(n for _, n, _ in plan))  # control plane: host check is fine
+        out = []
+        for req, n, g in plan:
+            req.pages += self.pages.alloc(-(-(req.n_tokens + n) // P) - len(req.pages))
+            req.reserved += g
+            self.reserved_total += g
+            out.append(addresses_of(req.pages, P, req.n_tokens, req.n_tokens + n, self.device))
+            req.n_tokens += n
+        self.space.place(torch.cat(out) if out else torch.zeros(0, dtype=torch.int64))
+        return out
 
     def addresses(self, rid: Hashable, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Addresses of a request's positions (all allocated ones by default); ``-1`` stays."""
@@ -164,50 +147,25 @@ class UlaCache:
         table = addresses_of(req.pages, self.config.page_size, 0, req.n_tokens, self.device)
         if positions is None:
             return table
+        if not isinstance(positions, torch.Tensor) or \
+                positions.dtype not in (torch.int32, torch.int64):
+            raise ShapeError("addresses: positions must be an int32/int64 tensor")
         pos = positions.to(self.device, torch.int64)
-        if bool(((pos >= req.n_tokens)).any()):
-            raise ShapeError(f"position beyond request length {req.n_tokens}")
+        if bool(((pos < -1) | (pos >= req.n_tokens)).any()):
+            raise AddressError(f"addresses: positions must be -1 or in [0, {req.n_tokens}) for "
+                               f"request {rid!r}")
         return torch.where(pos >= 0, table[pos.clamp(min=0)], -1)
-
-    # -- data and access -------------------------------------------------------------------
-    def group_of(self, layer: int) -> SelectionGroup:
-        try:
-            return self.groups[self.layer_to_group[layer]]
-        except KeyError:
-            raise ShapeError(f"layer {layer} out of range [0, {self.config.n_layers})") from None
-
-    def write(self, addrs: torch.Tensor, layer: int, rows: torch.Tensor) -> None:
-        """Write ``uint8 [n, row_bytes]`` rows of one layer for live addresses."""
-        self.group_of(layer).write(addrs.to(self.device), rows, layer)
-
-    def read(self, addrs: torch.Tensor, layer: int) -> torch.Tensor:
-        """``uint8 [n, row_bytes]`` rows of one layer, from whichever tier holds them."""
-        return self.group_of(layer).read(addrs.to(self.device), layer)
-
-    def access(self, group: int, addrs: torch.Tensor,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-        """``int32 [bs, k]`` GPU rows for selected addresses of one group (see
-        :meth:`SelectionGroup.access`); every layer of the group reads the same rows."""
-        return self.groups[group].access(addrs, out)
-
-    def gpu_rows(self, layer: int) -> torch.Tensor:
-        """The GPU pool of one layer, ``uint8 [G + 1, row_bytes]`` (row G is scratch)."""
-        g = self.group_of(layer)
-        return g.pools.gpu[g.layer_index[layer]]
-
-    def begin_round(self) -> None:
-        """Start a scheduling round: PB-LRU advances in every group."""
-        for g in self.groups:
-            g.policy.advance()
 
     # -- end of a request ------------------------------------------------------------------
     def free(self, rid: Hashable) -> None:
         """Finish (or abort) a request: its rows leave both tiers, pages and reservation are
         returned. Freeing an unknown or already freed request raises."""
-        if rid not in self.requests:
-            raise DoubleFreeError(f"request {rid!r} is not admitted or was already freed")
-        req = self.requests[rid]
-        self.release(addresses_of(req.pages, self.config.page_size, 0, req.n_tokens))
+        try:
+            req = self.requests[rid]
+        except (KeyError, TypeError):
+            raise DoubleFreeError(f"request {rid!r} is not admitted or was already freed") \
+                from None
+        self.space.release(addresses_of(req.pages, self.config.page_size, 0, req.n_tokens))
         self.pages.free(req.pages)
         self.reserved_total -= req.reserved
         del self.requests[rid]
@@ -218,29 +176,22 @@ class UlaCache:
     def stats(self) -> dict[str, int]:
         out = {"requests": len(self.requests), "reserved_tokens": self.reserved_total,
                "unique_capacity": self.config.unique_capacity}
-        for i, g in enumerate(self.groups):
-            for k, v in g.counter_values().items():
+        for i, counters in enumerate(self.space.counters()):
+            for k, v in counters.items():
                 out[f"group{i}_{k}"] = v
         return out
 
     def live_mask(self) -> torch.Tensor:
-        live = torch.zeros(self.n_logical, dtype=torch.bool, device=self.device)
+        """``bool [n_logical]``: the addresses of admitted requests."""
+        live = torch.zeros(self.space.n_logical, dtype=torch.bool, device=self.device)
         for req in self.requests.values():
             live[addresses_of(req.pages, self.config.page_size, 0, req.n_tokens,
                               self.device)] = True
         return live
 
-    def check_integrity(self, live: torch.Tensor | None = None) -> None:
-        """Assert every invariant of the ledger, the page allocator and each group.
-
-        ``live``: ``bool [n_logical]`` of addresses an engine allocated itself (SGLang's paged
-        allocator); mapped addresses must be live. Default: the addresses of admitted requests,
-        each of which must also be mapped in every group.
-        """
-        if live is not None:
-            for g in self.groups:
-                g.check_integrity(live)
-            return
+    def check_integrity(self) -> None:
+        """Assert every invariant of the ledger, the page allocator and the address space; every
+        allocated address must have one row in every group (exclusive tiers)."""
         self.pages.check_integrity()
         assert self.reserved_total == sum(r.reserved for r in self.requests.values())
         assert self.reserved_total <= self.config.unique_capacity, "over-admitted"
@@ -252,7 +203,6 @@ class UlaCache:
         for r in self.requests.values():
             assert r.n_tokens <= r.reserved and len(r.pages) == -(-r.n_tokens // P)
         live = self.live_mask()
-        for g in self.groups:
-            g.check_integrity(live)
-            # every live address has exactly one row in every group (exclusive tiers)
-            assert bool((g.loc[: self.n_logical][live] >= 0).all()), "live address unmapped"
+        self.space.check_integrity(live)
+        for g in self.space.groups:
+            assert bool((g.loc[: self.space.n_logical][live] >= 0).all()), "live address unmapped"

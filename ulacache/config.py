@@ -1,69 +1,131 @@
-"""One frozen, validated configuration for the core.
+"""Typed, validated configuration (msgspec structs, as SGLang's own server args).
 
-Errors name the legal values, so a wrong JSON option (``--kv-backend ulacache`` takes its
-settings from one JSON object) says what to write instead.
+Every field is checked strictly on every construction (Python keyword arguments, a dict, or
+JSON): ``1.5``, ``true``, ``"100"`` or ``null`` for an integer, ``"no"`` for a boolean, ``NaN``
+or ``Infinity`` anywhere are refused, and the error names the key and its legal values. Keys that
+nothing reads are refused too, so a setting cannot be believed to do something it does not.
 """
 
-from __future__ import annotations
+# No ``from __future__ import annotations``: msgspec reads the annotations at runtime.
+import typing
+from typing import Annotated, Any, Literal, Optional
 
-import json
-from dataclasses import asdict, dataclass, fields, replace
-from typing import Any
+import msgspec
+from msgspec import Meta
 
 from .errors import ConfigError
 from .layout import RowLayout
+from .pblru import POLICIES
+
+# Row ids handed to attention are int32 and SGLang adds a page of offset: keep them in range.
+MAX_GPU_SLOTS = 2**31 - 2**17
+MAX_CPU_SLOTS = 2**40
+
+PolicyName = Literal[tuple(POLICIES)]  # type: ignore[valid-type]  # one registry: pblru.POLICIES
+Layers = Annotated[int, Meta(ge=1, le=4096)]
+Buckets = Annotated[int, Meta(ge=2, le=4096)]
 
 
-@dataclass(frozen=True)
-class UlaCacheConfig:
-    """Sizes and policy of one rank's ulacache.
+def _legal(tp: Any) -> str:
+    """Human wording of the values a field annotation admits."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin is typing.Union and type(None) in args:
+        inner = [a for a in args if a is not type(None)]
+        return f"{_legal(inner[0])}, or null"
+    if origin is Annotated:
+        base, metas = args[0], [m for m in args[1:] if isinstance(m, Meta)]
+        bounds = [f">= {m.ge}" for m in metas if m.ge is not None]
+        bounds += [f"<= {m.le}" for m in metas if m.le is not None]
+        return f"{_legal(base)} {' and '.join(bounds)}".strip()
+    if tp is bool:
+        return "true or false"
+    if tp is int:
+        return "an integer"
+    return getattr(tp, "__name__", repr(tp))
+
+
+class _Checked(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Base: strict per-field validation on every construction, dict and JSON constructors."""
+
+    _what = "ulacache config"
+
+    def __post_init__(self) -> None:
+        for f in msgspec.structs.fields(self):
+            value = getattr(self, f.name)
+            try:
+                msgspec.convert(value, f.type, strict=True)
+            except msgspec.ValidationError as e:
+                raise ConfigError(f"{self._what} key {f.name!r}: {e} (got {value!r}); legal: "
+                                  f"{_legal(f.type)}") from None
+        self._check()
+
+    def _check(self) -> None:
+        """Checks that involve several fields (subclasses)."""
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        return [f.name for f in msgspec.structs.fields(cls)]
+
+    @classmethod
+    def from_dict(cls, values: Any):
+        """Build from a mapping of keys to values; unknown keys are refused by name."""
+        if values is None:
+            values = {}
+        if not isinstance(values, dict) or not all(isinstance(k, str) for k in values):
+            raise ConfigError(f"{cls._what} must be a JSON object with string keys, got "
+                              f"{type(values).__name__}")
+        unknown = sorted(set(values) - set(cls.keys()))
+        if unknown:
+            raise ConfigError(f"unknown {cls._what} key(s) {unknown}; legal keys: {cls.keys()}")
+        return cls(**values)
+
+    @classmethod
+    def from_json(cls, text: str | bytes | None):
+        """Build from a JSON object (``None`` or empty text: the defaults). Strict JSON:
+        ``NaN`` and ``Infinity`` are not numbers here."""
+        if text is None or (isinstance(text, (str, bytes)) and not text.strip()):
+            return cls()
+        try:
+            values = msgspec.json.decode(text)
+        except msgspec.DecodeError as e:
+            raise ConfigError(f"{cls._what} is not valid JSON ({e}): {text!r}") from None
+        return cls.from_dict(values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.structs.asdict(self)
+
+    def replace(self, **changes: Any):
+        return self.from_dict({**self.to_dict(), **changes})
+
+
+class UlaCacheConfig(_Checked, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Sizes and policy of one rank's ulacache (DP mode: one address space per rank).
 
     Pools are per selection group: every group has ``gpu_slots`` GPU rows and ``cpu_slots`` CPU
     rows per layer, so a token's unique capacity is ``gpu_slots + cpu_slots``.
     """
 
-    mode: str = "dp"  # "dp": one address space per rank; "tp": striped over tp_size ranks
-    tp_size: int = 1
-    layout: str = "bf16"  # "fp8" | "bf16" | "tiny"
-    row_bytes: int | None = None  # only for layout "tiny"
-    n_layers: int = 4
-    layers_per_group: int = 1  # 1: one indexer per layer (DeepSeek-V3.2); 4: GLM-5.2 style
-    gpu_slots: int = 1024
-    cpu_slots: int = 4096
-    page_size: int = 64  # SGLang allocates logical addresses in 64-token pages; 1 = tokens
-    max_requests: int = 256
-    max_batch: int = 64
-    top_k: int = 2048
-    n_buckets: int = 64  # PB-LRU recent buckets (n_b): recency resolution in rounds
-    policy: str = "pblru"  # "pblru" | "lru" (exact LRU, pool-wide scan; the baseline)
-    validate: bool = True  # host-side input checks outside graph capture
-    fetch_cap: int = 0  # lookahead prefetch rows per step (0 = off)
+    layout: Literal["fp8", "bf16", "tiny"] = "bf16"
+    row_bytes: Optional[Annotated[int, Meta(ge=1, le=1 << 16)]] = None  # layout "tiny" only
+    n_layers: Layers = 4
+    layers_per_group: Layers = 1  # 1: one indexer per layer (DeepSeek-V3.2); 4: GLM-5.2 style
+    gpu_slots: Annotated[int, Meta(ge=1, le=MAX_GPU_SLOTS)] = 1024
+    cpu_slots: Annotated[int, Meta(ge=0, le=MAX_CPU_SLOTS)] = 4096
+    page_size: Annotated[int, Meta(ge=1, le=1 << 16)] = 64  # SGLang: 64-token pages; 1 = tokens
+    max_requests: Annotated[int, Meta(ge=1, le=1 << 24)] = 256
+    n_buckets: Buckets = 64  # PB-LRU recent buckets (n_b)
+    policy: PolicyName = "pblru"  # exact LRU ("lru") is the baseline
+    validate: bool = True  # host-side input checks outside graph capture (they sync the GPU)
 
-    def __post_init__(self) -> None:
-        def need(cond: bool, msg: str) -> None:
-            if not cond:
-                raise ConfigError(msg)
-
-        need(self.mode in ("dp", "tp"), f"mode must be 'dp' or 'tp', got {self.mode!r}")
-        need(self.tp_size >= 1, "tp_size must be >= 1")
-        need(self.mode == "tp" or self.tp_size == 1,
-             f"mode 'dp' takes tp_size 1 (got {self.tp_size}); use mode 'tp' to stripe ranks")
-        need(self.mode == "dp", "mode 'tp' is not implemented in this release; legal: 'dp'")
-        _ = self.row_layout  # validates layout / row_bytes
-        need(self.layout == "tiny" or self.row_bytes is None,
-             f"row_bytes is only for layout 'tiny'; layout {self.layout!r} fixes it")
-        need(self.n_layers >= 1, "n_layers must be >= 1")
-        need(self.layers_per_group >= 1 and self.n_layers % self.layers_per_group == 0,
-             f"layers_per_group ({self.layers_per_group}) must divide n_layers ({self.n_layers})")
-        need(self.gpu_slots >= 1, "gpu_slots must be >= 1")
-        need(self.cpu_slots >= 0, "cpu_slots must be >= 0")
-        need(self.page_size >= 1, "page_size must be >= 1 (1 = token-granular, 64 = SGLang)")
-        need(self.max_requests >= 1 and self.max_batch >= 1, "max_requests/max_batch >= 1")
-        need(self.top_k >= 1, "top_k must be >= 1")
-        need(self.n_buckets >= 2, f"n_buckets must be >= 2 (got {self.n_buckets})")
-        need(self.policy in ("pblru", "lru"),
-             f"policy must be 'pblru' or 'lru' (exact LRU baseline), got {self.policy!r}")
-        need(self.fetch_cap >= 0, "fetch_cap must be >= 0")
+    def _check(self) -> None:
+        if self.layout != "tiny" and self.row_bytes is not None:
+            raise ConfigError(f"ulacache config key 'row_bytes' is only for layout 'tiny'; "
+                              f"layout {self.layout!r} fixes it ({self.row_layout.row_bytes} B)")
+        if self.n_layers % self.layers_per_group:
+            raise ConfigError(f"ulacache config key 'layers_per_group' ({self.layers_per_group}) "
+                              f"must divide 'n_layers' ({self.n_layers})")
 
     @property
     def row_layout(self) -> RowLayout:
@@ -83,75 +145,25 @@ class UlaCacheConfig:
         """Logical pages: enough for full capacity plus one partial page per request."""
         return -(-self.unique_capacity // self.page_size) + self.max_requests
 
-    def replace(self, **changes: Any) -> UlaCacheConfig:
-        return replace(self, **changes)
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> UlaCacheConfig:
-        legal = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - legal)
-        if unknown:
-            raise ConfigError(f"unknown ulacache option(s) {unknown}; legal: {sorted(legal)}")
-        return cls(**values)
-
-    @classmethod
-    def from_json(cls, text: str | None) -> UlaCacheConfig:
-        if not text:
-            return cls()
-        try:
-            values = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"ulacache config is not valid JSON: {e}") from e
-        if not isinstance(values, dict):
-            raise ConfigError("ulacache config must be a JSON object, e.g. "
-                              '\'{"gpu_slots": 65536, "cpu_slots": 262144}\'')
-        return cls.from_dict(values)
-
-
-@dataclass(frozen=True)
-class SGLangOptions:
+class SGLangOptions(_Checked, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """ulacache's settings under SGLang (``--ulacache-config '{...}'``). The GPU pool size comes
     from SGLang's memory budget; the CPU pool is ``cpu_ratio`` times it (exclusive tiers, so a
     rank holds ``(1 + cpu_ratio) x`` the GPU pool's tokens); the indexer cache is sized for all
     of them."""
 
-    mode: str = "dp"
-    cpu_ratio: int = 4  # CPU slots per GPU slot; host memory = cpu_ratio x GPU latent bytes
-    n_buckets: int = 64
-    policy: str = "pblru"
-    validate: bool = False  # host-side checks on every step (debugging; syncs the GPU)
-    fetch_cap: int = 0  # lookahead prefetch rows per step (0 = off)
-    buffer_slots: int = 0  # TP local buffer rows per rank (TP mode only)
+    _what = "--ulacache-config"
 
-    def __post_init__(self) -> None:
-        if self.mode != "dp":
-            raise ConfigError(f"ulacache mode {self.mode!r} is not available with SGLang yet; "
-                              "legal: 'dp' (with --tp 1 per attention group, or --dp-attention)")
-        if not isinstance(self.cpu_ratio, int) or self.cpu_ratio < 0:
-            raise ConfigError(f"cpu_ratio must be an integer >= 0, got {self.cpu_ratio!r}")
-        if self.n_buckets < 2:
-            raise ConfigError("n_buckets must be >= 2")
-        if self.policy not in ("pblru", "lru"):
-            raise ConfigError(f"policy must be 'pblru' or 'lru', got {self.policy!r}")
-        if self.fetch_cap < 0 or self.buffer_slots < 0:
-            raise ConfigError("fetch_cap and buffer_slots must be >= 0")
+    mode: Literal["dp"] = "dp"  # "tp" arrives with TP mode
+    cpu_ratio: Annotated[int, Meta(ge=0, le=1024)] = 4
+    n_buckets: Buckets = 64
+    policy: PolicyName = "pblru"
+    validate: bool = False  # host-side checks on every step (debugging; syncs the GPU)
 
     @property
     def host_to_device_ratio(self) -> int:
         """Logical tokens per GPU slot, in HiSparse's terms (sizes the indexer cache)."""
         return 1 + self.cpu_ratio
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any] | None) -> SGLangOptions:
-        values = dict(values or {})
-        legal = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - legal)
-        if unknown:
-            raise ConfigError(f"unknown --ulacache-config key(s) {unknown}; legal: {sorted(legal)}")
-        return cls(**values)
 
 
 def validate_sglang_config(values: dict[str, Any]) -> SGLangOptions:

@@ -21,7 +21,7 @@ class DoubleFreeError(UlaCacheError):
 
 
 class CapacityExhausted(UlaCacheError):
-    """Not enough unique capacity (GPU + CPU slots), logical pages, or GPU victims."""
+    """Not enough unique capacity (GPU + CPU slots), logical pages, GPU victims, or memory."""
 
 
 class ShapeError(UlaCacheError, ValueError):
@@ -30,3 +30,8 @@ class ShapeError(UlaCacheError, ValueError):
 
 class UnknownRequest(UlaCacheError, KeyError):
     """A request id that was never admitted, or was already freed."""
+
+
+class StaleSelectionError(UlaCacheError):
+    """A layer that shares its anchor's selection ran before the anchor did in this step: the
+    rows it would get are last step's."""

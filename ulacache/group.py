@@ -2,16 +2,26 @@
 
 The mapping table is the single source of truth. One ``int64`` per logical address::
 
-    loc[t] == -1           unmapped (allocated but not written yet, or never allocated)
-    loc[t] in [0, G)       GPU slot loc[t]
-    loc[t] in [G, G + C)   CPU slot loc[t] - G
-    loc[n_logical]         scratch entry for masked writes (always -1)
+    loc[t] == -1                     unmapped (allocated but not placed yet, or never)
+    loc[t] in [0, gpu_slots)         GPU slot loc[t]
+    loc[t] in [gpu_slots, G + C)     CPU slot loc[t] - gpu_slots
+    loc[n_logical]                   scratch entry for masked writes (always -1)
 
 Reverse maps ``gpu_owner[G + 1]`` and ``cpu_owner[C + 1]`` give each slot's address or -1.
 
 Every data movement follows the same order (design invariant 3): copy the bytes, then update
-the mapping, then (on CUDA) record the completion event readers wait on. All of it is issued
-on one stream, so a later reuse of a slot is ordered after the copies out of it (invariant 8).
+the mapping. All of it is issued on one stream (:mod:`ulacache.streams`), so a later reuse of
+a slot is ordered after the copies out of it (invariant 8).
+
+Bad input. Every call checks tensor types, shapes and devices (metadata only, no sync) before
+it mutates anything. With ``validate`` on (and outside graph capture) the values are checked
+too, on the host, and a bad one raises a typed error with nothing changed. With ``validate``
+off (production: no host sync) a bad entry is *masked*: an out-of-range or non-live selection
+reads as padding, a duplicate or already-mapped address in ``place``/``release`` is skipped;
+each is counted in ``counters["invalid"]``. Capacity overflow (a selected row or a new row that
+finds no GPU slot, or no CPU slot for the row it would displace) is masked the same way and
+counted in ``access_overflow`` / ``place_overflow``: no invariant is ever broken, and the
+address space reports it (:mod:`ulacache.health`). See docs/architecture.md, "Overflow".
 """
 
 from __future__ import annotations
@@ -22,27 +32,40 @@ from ulacache.kernels.dispatch import gather_rows, swap_rows
 
 from .errors import AddressError, CapacityExhausted, ShapeError
 from .pblru import ReplacementPolicy, make_policy
-from .pools import TierPools, resolve_device
+from .pools import TierPools, allocate, resolve_device
+from .streams import capturing
 
-# Counter slots of SelectionGroup.counters (device int64, read out of the decode path).
-COUNTERS = ("accesses", "gpu_hits", "promotions", "writebacks", "spills", "placed", "overflow")
+COUNTERS = ("accesses", "gpu_hits", "promotions", "writebacks", "placed", "spills",
+            "access_overflow", "place_overflow", "invalid")
+"""Slots of :attr:`SelectionGroup.counters` (device ``int64``, read outside the decode path):
 
+- ``accesses``: distinct selected rows per step; ``gpu_hits``: those already on the GPU;
+- ``promotions``: rows copied CPU -> GPU; ``writebacks``: victims copied GPU -> CPU by them;
+- ``placed``: new rows given a GPU slot; ``spills``: victims copied GPU -> CPU to make room;
+- ``access_overflow``: selected rows left on the CPU (served as padding: no GPU slot);
+- ``place_overflow``: new rows not stored (no GPU slot, or no CPU slot for the victim);
+- ``invalid``: masked bad entries (validate off): out-of-range or non-live selections,
+  duplicate or already-mapped addresses in ``place``, duplicates or out-of-range in
+  ``release``.
+"""
+OVERFLOWS = ("access_overflow", "place_overflow", "invalid")
 
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+_NO_CLAIM = torch.iinfo(torch.int64).max
 
 
 class SelectionGroup:
-    """Pools, mapping and PB-LRU of the layers that share one top-k selection.
+    """Pools, mapping and replacement policy of the layers that share one top-k selection.
 
     Parameters
     ----------
-    layers : global layer ids of the group (their rows are stored in this order).
+    layers : global layer ids of the group (their rows are stored in this order); may be
+        empty for a residency-only group (policy simulations: no bytes move).
     n_logical : size of the logical address space (addresses ``[0, n_logical)``).
     gpu_slots, cpu_slots, row_bytes : pool geometry.
-    policy : ``"pblru"`` or ``"lru"``.
-    gpu_storage : optional engine-owned ``uint8 [L, G + 1, row_bytes]`` GPU pool (e.g. a view of
-        SGLang's ``kv_buffer`` rows); allocated here when absent.
+    policy : a name registered in :data:`ulacache.pblru.POLICIES`.
+    validate : host-side value checks (they synchronise the device) outside graph capture.
+    gpu_storage : optional engine-owned ``uint8 [L, gpu_slots + 1, row_bytes]`` GPU pool (e.g.
+        a view of SGLang's ``kv_buffer`` rows); allocated here when absent.
     """
 
     def __init__(self, layers: list[int], n_logical: int, gpu_slots: int, cpu_slots: int,
@@ -52,150 +75,182 @@ class SelectionGroup:
         self.device = resolve_device(device)
         self.layers = list(layers)
         self.layer_index = {layer: i for i, layer in enumerate(self.layers)}
-        self.n_logical, self.G, self.C = n_logical, gpu_slots, cpu_slots
+        self.n_logical, self.gpu_slots, self.cpu_slots = n_logical, gpu_slots, cpu_slots
         self.validate = validate
         self.pools = TierPools(len(layers), gpu_slots, cpu_slots, row_bytes, self.device,
                                gpu_storage)
         self.policy: ReplacementPolicy = make_policy(policy, gpu_slots, n_buckets, self.device)
-        i64 = dict(dtype=torch.int64, device=self.device)
-        self.loc = torch.full((n_logical + 1,), -1, **i64)
-        self.gpu_owner = torch.full((gpu_slots + 1,), -1, **i64)
-        self.cpu_owner = torch.full((cpu_slots + 1,), -1, **i64)
-        # Dedup of a step's selections: claim[t] = first position selecting t (reset after use).
-        self._claim = torch.full((n_logical + 1,), torch.iinfo(torch.int64).max, **i64)
-        self.counters = torch.zeros(len(COUNTERS), **i64)
-        self.done_event = torch.cuda.Event() if self.device.type == "cuda" else None
+        table = (n_logical + 1,)
+        self.loc = allocate(table, torch.int64, self.device, "the mapping table", fill=-1)
+        self.gpu_owner = torch.full((gpu_slots + 1,), -1, dtype=torch.int64, device=self.device)
+        self.cpu_owner = allocate((cpu_slots + 1,), torch.int64, self.device, "the CPU owners",
+                                  fill=-1)
+        # Dedup of one call's addresses: claim[t] = first position naming t (reset after use).
+        self._claim = allocate(table, torch.int64, self.device, "the claim table",
+                               fill=_NO_CLAIM)
+        self.counters = torch.zeros(len(COUNTERS), dtype=torch.int64, device=self.device)
 
     # -- helpers --------------------------------------------------------------------------
     def _count(self, name: str, value: torch.Tensor) -> None:
         self.counters[COUNTERS.index(name)] += value
 
-    def _check_addrs(self, addrs: torch.Tensor, what: str) -> None:
-        if addrs.dtype not in (torch.int32, torch.int64) or addrs.device != self.device:
-            raise ShapeError(f"{what}: addresses must be int32/int64 on {self.device}, "
-                             f"got {addrs.dtype} on {addrs.device}")
-
-    def _mark_done(self) -> None:
-        # Readers on other streams wait on this event. Inside a captured graph the stream order
-        # of the replay already orders readers after the copies, so no event is recorded there.
-        if self.done_event is not None and not _capturing(self.device):
-            self.done_event.record()
-
     def counter_values(self) -> dict[str, int]:
         return dict(zip(COUNTERS, self.counters.tolist()))
 
+    def _checking(self) -> bool:
+        return self.validate and not capturing(self.device)
+
+    def _index_tensor(self, t: torch.Tensor, name: str, dims: int | None = None) -> torch.Tensor:
+        """``t`` as flat ``int64`` after the metadata checks every call makes (no sync)."""
+        if not isinstance(t, torch.Tensor):
+            raise ShapeError(f"{name} must be a tensor, got {type(t).__name__}")
+        if t.dtype not in (torch.int32, torch.int64) or t.device != self.device:
+            raise ShapeError(f"{name} must be int32/int64 on {self.device}, got {t.dtype} on "
+                             f"{t.device}")
+        if dims is not None and t.dim() != dims:
+            raise ShapeError(f"{name} must have {dims} dimension(s), got {tuple(t.shape)}")
+        return t.reshape(-1).to(torch.int64)
+
+    def _range(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(in-range mask, addresses with the rest redirected to the scratch entry)."""
+        inrange = (flat >= 0) & (flat < self.n_logical)
+        return inrange, torch.where(inrange, flat, self.n_logical)
+
+    def _first(self, safe: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """``keep`` restricted to the first occurrence of each address (claim table)."""
+        pos = torch.arange(safe.numel(), device=self.device)
+        self._claim.scatter_reduce_(0, safe, torch.where(keep, pos, _NO_CLAIM), "amin")
+        first = keep & (self._claim[safe] == pos)
+        self._claim.index_fill_(0, safe, _NO_CLAIM)
+        return first
+
+    def _li(self, layer: int) -> int:
+        if isinstance(layer, bool) or not isinstance(layer, int) or layer not in self.layer_index:
+            raise ShapeError(f"layer {layer!r} is not in this group {self.layers}")
+        return self.layer_index[layer]
+
     # -- placement of new rows ------------------------------------------------------------
     def place(self, addrs: torch.Tensor) -> torch.Tensor:
-        """Give each (distinct, unmapped) address a GPU slot; ``int64 [n]`` slots.
+        """Give each new address a GPU slot; returns ``int64 [n]`` slots (``-1``: not placed).
 
-        Slots come from the policy's victim order: free slots first; an occupied victim is
-        first spilled to a free CPU slot (data, then mapping). Placed slots join the current
-        round, so nothing read or written this round is evicted by a later placement.
+        ``addrs``: ``int [n]`` distinct unmapped addresses, ``-1`` skipped. Slots come from the
+        policy's victim order: free slots first; an occupied victim is first spilled to a free
+        CPU slot (data, then mapping). Placed slots join the current round, so nothing read or
+        written this round is evicted by a later placement in it. Validate off: duplicates and
+        already-mapped addresses are skipped (``invalid``); a row with no slot, or whose victim
+        finds no CPU slot, is not stored (``place_overflow``).
         """
-        self._check_addrs(addrs, "place")
-        addrs = addrs.reshape(-1).to(torch.int64)
-        valid = addrs >= 0
-        if self.validate and not _capturing(self.device):
-            self._validate_place(addrs, valid)
-        rank = torch.cumsum(valid, 0) - 1
-        cand = self.policy.victims(addrs.numel())
-        slot = torch.where(valid, cand[rank.clamp(min=0)], -1)
-        ok = slot >= 0
-        owner = self.gpu_owner[torch.where(ok, slot, self.G)]
-        spill = ok & (owner >= 0)
-        cslot = self.pools.pop_cpu(spill)
+        flat = self._index_tensor(addrs, "place: addrs")
+        inrange, safe = self._range(flat)
+        fresh = self._first(safe, inrange & (self.loc[safe] < 0))
+        bad = (flat != -1) & ~fresh
+        if self._checking():
+            self._validate_place(flat, inrange, safe, fresh, bad)
+        G = self.gpu_slots
+        rank = torch.cumsum(fresh, 0) - 1
+        cand = self.policy.victims(flat.numel())
+        slot = torch.where(fresh, cand[rank.clamp(min=0)], -1)
+        owner = self.gpu_owner[torch.where(slot >= 0, slot, G)]
+        cslot = self.pools.pop_cpu((slot >= 0) & (owner >= 0))
+        spill = cslot >= 0
+        ok = (slot >= 0) & ((owner < 0) | spill)  # victims are free first: failures come last
         # data first: the spilled victims' rows move GPU -> CPU ...
         gather_rows(self.pools.gpu, torch.where(spill, slot, -1), self.pools.cpu, cslot)
         # ... then the mapping
         self.loc.index_put_((torch.where(spill, owner, self.n_logical),),
-                            torch.where(spill, self.G + cslot, -1))
-        self.cpu_owner.index_put_((torch.where(spill, cslot, self.C),),
+                            torch.where(spill, G + cslot, -1))
+        self.cpu_owner.index_put_((torch.where(spill, cslot, self.cpu_slots),),
                                   torch.where(spill, owner, -1))
-        self.gpu_owner.index_put_((torch.where(ok, slot, self.G),), torch.where(ok, addrs, -1))
-        self.loc.index_put_((torch.where(ok, addrs, self.n_logical),), torch.where(ok, slot, -1))
-        self.policy.touch(slot)
+        slot = torch.where(ok, slot, -1)
+        self.gpu_owner.index_put_((torch.where(ok, slot, G),), torch.where(ok, flat, -1))
+        self.loc.index_put_((torch.where(ok, flat, self.n_logical),), slot)
+        self.policy.assign(slot)
         self._count("placed", ok.sum())
         self._count("spills", spill.sum())
-        self._count("overflow", (valid & ~ok).sum())
-        self._mark_done()
+        self._count("place_overflow", (fresh & ~ok).sum())
+        self._count("invalid", bad.sum())
         return slot
 
-    def _validate_place(self, addrs: torch.Tensor, valid: torch.Tensor) -> None:
-        a = addrs[valid]
-        if a.numel() == 0:
+    def _validate_place(self, flat, inrange, safe, fresh, bad) -> None:
+        if not bool(bad.any()):
+            self.check_place_room(int(fresh.sum()))
             return
-        if bool(((a < 0) | (a >= self.n_logical)).any()):
-            raise AddressError(f"place: address out of range [0, {self.n_logical})")
-        if a.unique().numel() != a.numel():
-            raise AddressError("place: duplicate addresses")
-        if bool((self.loc[a] >= 0).any()):
-            raise AddressError("place: address already has a row (free it first)")
-        self.check_place_room(a.numel())
+        if bool(((flat != -1) & ~inrange).any()):
+            raise AddressError(f"place: addrs out of range [0, {self.n_logical}) (or negative "
+                               "other than the -1 padding)")
+        if bool((inrange & (self.loc[safe] >= 0)).any()):
+            raise AddressError("place: addrs already have a row (release them first)")
+        raise AddressError("place: duplicate addrs")
 
     def check_place_room(self, need: int) -> None:
-        """Raise :class:`CapacityExhausted` unless ``need`` rows can be placed this round."""
+        """Raise :class:`CapacityExhausted` unless ``need`` rows can be placed this round
+        (host-side: it synchronises the device)."""
         eligible = int(self.policy.eligible())
         if need > eligible:
             raise CapacityExhausted(
                 f"place: {need} new rows but only {eligible} GPU slots are free or evictable "
                 "this round (rows used this round are pinned); place fewer rows per round or "
                 "enlarge gpu_slots")
-        spills = max(0, need - int((~self.policy.used_mask()).sum()))
+        spills = max(0, need - (self.gpu_slots - int(self.policy.used_count())))
         if spills > int(self.pools.cpu_top):
-            raise CapacityExhausted(f"place: {spills} spills but {int(self.pools.cpu_top)} free "
-                                    "CPU slots; admission should have refused this request")
+            raise CapacityExhausted(f"place: {spills} rows must be spilled to the CPU tier but "
+                                    f"only {int(self.pools.cpu_top)} CPU slots are free; "
+                                    "admission should have refused this request")
 
-    # -- data ----------------------------------------------------------------------------
-    def write(self, addrs: torch.Tensor, rows: torch.Tensor, layer: int | None = None) -> None:
-        """Write rows for mapped addresses, wherever they live.
+    # -- data (host-checked: tests and tools, not the decode path) --------------------------
+    def write(self, layer: int, addrs: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write ``uint8 [n, row_bytes]`` rows of one ``layer`` (a global layer id of this
+        group) for distinct live ``addrs int [n]`` (``-1`` skipped), wherever they live."""
+        self._write(slice(self._li(layer), self._li(layer) + 1), addrs, rows, one_layer=True)
 
-        ``addrs int [n]`` (distinct, mapped, ``-1`` skipped); ``rows uint8 [n, row_bytes]`` for
-        one ``layer`` (a global layer id of this group) or ``uint8 [L, n, row_bytes]`` for all.
-        """
-        self._check_addrs(addrs, "write")
-        addrs = addrs.reshape(-1).to(torch.int64)
-        shape = (addrs.numel(), self.pools.row_bytes)
-        full = (len(self.layers),) + shape
-        if rows.dtype != torch.uint8 or tuple(rows.shape) != (shape if layer is not None
-                                                                else full):
-            raise ShapeError(f"write: rows must be uint8 {shape if layer is not None else full},"
-                             f" got {rows.dtype} {tuple(rows.shape)}")
-        phys = self._resolve(addrs, "write")
-        li = slice(None) if layer is None else slice(self._li(layer), self._li(layer) + 1)
-        rows3 = rows if layer is None else rows.unsqueeze(0)
-        on_gpu = (phys >= 0) & (phys < self.G)
-        on_cpu = phys >= self.G
-        gidx = torch.where(on_gpu, phys, self.G)
+    def write_all(self, addrs: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write ``uint8 [L, n, row_bytes]`` rows of every layer of the group."""
+        self._write(slice(None), addrs, rows, one_layer=False)
+
+    def _write(self, li: slice, addrs: torch.Tensor, rows: torch.Tensor, one_layer: bool) -> None:
+        flat = self._index_tensor(addrs, "write: addrs")
+        shape = (flat.numel(), self.pools.row_bytes)
+        want = shape if one_layer else (len(self.layers),) + shape
+        if not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8 or \
+                tuple(rows.shape) != want:
+            got = f"{rows.dtype} {tuple(rows.shape)}" if isinstance(rows, torch.Tensor) else \
+                type(rows).__name__
+            raise ShapeError(f"write: rows must be uint8 {want}, got {got}")
+        phys = self._resolve(flat, "write")
+        rows3 = rows.unsqueeze(0) if one_layer else rows
+        G = self.gpu_slots
+        gidx = torch.where((phys >= 0) & (phys < G), phys, G)
         self.pools.gpu[li].index_copy_(1, gidx, rows3.to(self.device))
-        if self.C:
-            cidx = torch.where(on_cpu, phys - self.G, self.C).to(self.pools.cpu.device)
-            self.pools.cpu[li].index_copy_(1, cidx, rows3.to(self.pools.cpu.device))
+        cidx = torch.where(phys >= G, phys - G, self.cpu_slots).to(self.pools.cpu.device)
+        self.pools.cpu[li].index_copy_(1, cidx, rows3.to(self.pools.cpu.device))
 
-    def read(self, addrs: torch.Tensor, layer: int | None = None) -> torch.Tensor:
-        """Rows of mapped addresses from whichever tier holds them (tests and tools):
-        ``uint8 [n, row_bytes]`` for one layer, else ``[L, n, row_bytes]``."""
-        addrs = addrs.reshape(-1).to(torch.int64)
-        phys = self._resolve(addrs, "read")
-        gpu = self.pools.gpu.index_select(1, torch.where(phys < self.G, phys, self.G))
-        cidx = torch.where(phys >= self.G, phys - self.G, self.C).to(self.pools.cpu.device)
+    def read(self, layer: int, addrs: torch.Tensor) -> torch.Tensor:
+        """Rows of distinct live addresses, from whichever tier holds them: ``uint8 [n,
+        row_bytes]`` of one ``layer`` (``-1`` entries read the scratch row)."""
+        return self.read_all(addrs)[self._li(layer)]
+
+    def read_all(self, addrs: torch.Tensor) -> torch.Tensor:
+        """``uint8 [L, n, row_bytes]``: rows of every layer of the group."""
+        flat = self._index_tensor(addrs, "read: addrs")
+        phys = self._resolve(flat, "read", distinct=False)
+        G = self.gpu_slots
+        on_gpu = (phys >= 0) & (phys < G)
+        gpu = self.pools.gpu.index_select(1, torch.where(on_gpu, phys, G))
+        cidx = torch.where(phys >= G, phys - G, self.cpu_slots).to(self.pools.cpu.device)
         cpu = self.pools.cpu.index_select(1, cidx).to(self.device)
-        out = torch.where((phys < self.G).view(1, -1, 1), gpu, cpu)
-        return out if layer is None else out[self._li(layer)]
+        return torch.where(on_gpu.view(1, -1, 1), gpu, cpu)
 
-    def _li(self, layer: int) -> int:
-        try:
-            return self.layer_index[layer]
-        except KeyError:
-            raise ShapeError(f"layer {layer} is not in this group {self.layers}") from None
-
-    def _resolve(self, addrs: torch.Tensor, what: str) -> torch.Tensor:
-        """Physical places of addresses that must all be mapped (host-checked)."""
-        valid = addrs >= 0
-        if bool(((addrs >= self.n_logical) & valid).any()):
-            raise AddressError(f"{what}: address out of range [0, {self.n_logical})")
-        phys = self.loc[torch.where(valid, addrs, self.n_logical)]
-        if bool((valid & (phys < 0)).any()):
-            raise AddressError(f"{what}: address is not live (never written, or freed)")
+    def _resolve(self, flat: torch.Tensor, what: str, distinct: bool = True) -> torch.Tensor:
+        """Physical places of addresses that must all be live (``-1`` -> ``-1``)."""
+        inrange, safe = self._range(flat)
+        if bool(((flat != -1) & ~inrange).any()):
+            raise AddressError(f"{what}: addrs out of range [0, {self.n_logical}) (or negative "
+                               "other than the -1 padding)")
+        phys = torch.where(inrange, self.loc[safe], -1)
+        if bool((inrange & (phys < 0)).any()):
+            raise AddressError(f"{what}: addrs not live (never placed, or released)")
+        if distinct and bool((inrange & ~self._first(safe, inrange)).any()):
+            raise AddressError(f"{what}: duplicate addrs")
         return phys
 
     # -- the per-step sparse access -------------------------------------------------------
@@ -205,45 +260,47 @@ class SelectionGroup:
         Parameters
         ----------
         addrs : ``int32/int64 [bs, k]`` logical addresses, ``-1`` padding. Duplicates allowed.
-        out : optional preallocated ``int32 [bs, k]`` (graph-stable output).
+        out : optional preallocated ``int32 [bs, k]`` on the group's device (graph-stable).
 
-        Returns ``int32 [bs, k]``: GPU slot of each selection, ``-1`` where ``addrs`` is ``-1``.
+        Returns ``int32 [bs, k]``: GPU slot of each selection, ``-1`` where ``addrs`` is ``-1``
+        (and, validate off, where a selection is invalid or overflowed: see the module doc).
 
         Steps, all tensor ops on the group's device (no host sync unless ``validate`` and not
-        capturing): resolve -> dedup -> touch hits -> choose victims (PB-LRU order; the current
-        round, which now holds this step's hits, is excluded) -> swap rows (victim row into the
-        CPU slot the promoted row vacates; a single copy when the victim slot was free) ->
+        capturing): resolve -> dedup -> touch hits -> choose victims (PB-LRU order; this round,
+        which now holds this step's hits, is excluded) -> swap rows (victim row into the CPU
+        slot the promoted row vacates; a single copy when the victim slot was free) ->
         update mapping -> touch promoted -> translate.
         """
-        self._check_addrs(addrs, "access")
-        if addrs.dim() != 2:
-            raise ShapeError(f"access: addrs must be [bs, k], got {tuple(addrs.shape)}")
-        flat = addrs.reshape(-1).to(torch.int64)
-        n = flat.numel()
-        inrange = (flat >= 0) & (flat < self.n_logical)
-        safe = torch.where(inrange, flat, self.n_logical)
+        flat = self._index_tensor(addrs, "access: addrs", dims=2)
+        if out is not None and (not isinstance(out, torch.Tensor) or out.dtype != torch.int32
+                                or out.shape != addrs.shape or out.device != self.device):
+            got = f"{out.dtype} {tuple(out.shape)} on {out.device}" \
+                if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ShapeError(f"access: out must be int32 {tuple(addrs.shape)} on {self.device}, "
+                             f"got {got}")
+        G = self.gpu_slots
+        inrange, safe = self._range(flat)
         phys = self.loc[safe]
         valid = inrange & (phys >= 0)
-        checking = self.validate and not _capturing(self.device)
-        if checking and bool(((flat >= 0) & ~valid).any()):
-            raise AddressError("access: selected address out of range or not live")
-        pos = torch.arange(n, device=self.device)
-        self._claim.scatter_reduce_(0, safe, pos, "amin")
-        first = valid & (self._claim[safe] == pos)
-        self._claim.index_fill_(0, safe, torch.iinfo(torch.int64).max)
-        hit = first & (phys < self.G)
-        miss = first & (phys >= self.G)
+        bad = (flat != -1) & ~valid
+        checking = self._checking()
+        if checking and bool(bad.any()):
+            raise AddressError("access: addrs hold an address that is out of range, not live, "
+                               "or negative other than the -1 padding")
+        first = self._first(safe, valid)
+        hit = first & (phys < G)
+        miss = first & (phys >= G)
         hit_slots = torch.where(hit, phys, -1)
         if checking:
             self._check_room(miss, hit_slots)
         self.policy.touch(hit_slots)
 
         rank = torch.cumsum(miss, 0) - 1
-        cand = self.policy.victims(n)
+        cand = self.policy.victims(flat.numel())
         victim = torch.where(miss, cand[rank.clamp(min=0)], -1)
         ok = victim >= 0
-        cslot = torch.where(ok, phys - self.G, -1)
-        owner = self.gpu_owner[torch.where(ok, victim, self.G)]
+        cslot = torch.where(ok, phys - G, -1)
+        owner = self.gpu_owner[torch.where(ok, victim, G)]
         owned = ok & (owner >= 0)
         # 1. data: promoted row -> victim GPU slot, victim row -> vacated CPU slot; a single
         #    copy when the victim slot was free
@@ -252,24 +309,22 @@ class SelectionGroup:
         gather_rows(self.pools.cpu, torch.where(owned, -1, cslot), self.pools.gpu,
                     torch.where(owned, -1, victim))
         # 2. mapping
-        self.loc.index_put_((torch.where(ok, flat, self.n_logical),), torch.where(ok, victim, -1))
+        self.loc.index_put_((torch.where(ok, flat, self.n_logical),), victim)
         self.loc.index_put_((torch.where(owned, owner, self.n_logical),),
-                            torch.where(owned, self.G + cslot, -1))
-        self.gpu_owner.index_put_((torch.where(ok, victim, self.G),), torch.where(ok, flat, -1))
-        self.cpu_owner.index_put_((torch.where(ok, cslot, self.C),),
+                            torch.where(owned, G + cslot, -1))
+        self.gpu_owner.index_put_((torch.where(ok, victim, G),), torch.where(ok, flat, -1))
+        self.cpu_owner.index_put_((torch.where(ok, cslot, self.cpu_slots),),
                                   torch.where(owned, owner, -1))
         self.pools.push_cpu(torch.where(ok & ~owned, cslot, -1))
-        self.policy.touch(victim)
-        # 3. completion
-        self._mark_done()
+        self.policy.assign(victim)
         self._count("accesses", first.sum())
         self._count("gpu_hits", hit.sum())
         self._count("promotions", ok.sum())
         self._count("writebacks", owned.sum())
-        self._count("overflow", (miss & ~ok).sum())
-
+        self._count("access_overflow", (miss & ~ok).sum())
+        self._count("invalid", bad.sum())
         rows = self.loc[safe]
-        rows = torch.where(valid & (rows >= 0) & (rows < self.G), rows, -1).view_as(addrs)
+        rows = torch.where(valid & (rows >= 0) & (rows < G), rows, -1).view(addrs.shape)
         if out is None:
             return rows.to(torch.int32)
         out.copy_(rows)
@@ -278,33 +333,53 @@ class SelectionGroup:
     def _check_room(self, miss: torch.Tensor, hit_slots: torch.Tensor) -> None:
         need = int(miss.sum())
         moving = hit_slots >= 0
-        have = int(self.policy.eligible()) - int(
-            (moving & ~self.policy.in_current_round(hit_slots)).sum())
+        have = int(self.policy.eligible()) - int((moving & ~self.policy.pinned(hit_slots)).sum())
         if need > have:
             raise CapacityExhausted(
                 f"access: {need} rows to promote but only {have} GPU slots are free or evictable "
                 "(rows read or written this round are pinned); a step's distinct selections "
                 "must fit in gpu_slots")
 
+    def translate(self, addrs: torch.Tensor) -> torch.Tensor:
+        """GPU rows of addresses, with no side effect: ``int32``, same shape; ``-1`` for
+        padding and for anything not GPU-resident. For layers that share a selection their
+        anchor already made resident this round."""
+        flat = self._index_tensor(addrs, "translate: addrs")
+        _, safe = self._range(flat)
+        phys = self.loc[safe]
+        return torch.where((phys >= 0) & (phys < self.gpu_slots), phys, -1) \
+            .to(torch.int32).view(addrs.shape)
+
     # -- release ---------------------------------------------------------------------------
     def release(self, addrs: torch.Tensor) -> None:
-        """Drop the rows of these (distinct) addresses from both tiers; they become unmapped.
-        Unmapped or ``-1`` entries are skipped."""
-        addrs = addrs.reshape(-1).to(torch.int64)
-        valid = (addrs >= 0) & (addrs < self.n_logical)
-        safe = torch.where(valid, addrs, self.n_logical)
+        """Drop the rows of these addresses from both tiers; they become unmapped.
+
+        ``addrs int [n]``; ``-1`` and unmapped in-range entries are skipped (engines free whole
+        pages). Validate on: out-of-range entries and duplicates raise :class:`AddressError`;
+        off: they are skipped and counted (``invalid``)."""
+        flat = self._index_tensor(addrs, "release: addrs")
+        inrange, safe = self._range(flat)
         phys = self.loc[safe]
-        on_gpu = valid & (phys >= 0) & (phys < self.G)
-        on_cpu = valid & (phys >= self.G)
+        mapped = inrange & (phys >= 0)
+        first = self._first(safe, inrange)
+        bad = ((flat != -1) & ~inrange) | (inrange & ~first)
+        if self._checking() and bool(bad.any()):
+            raise AddressError(f"release: addrs hold duplicates or addresses out of range "
+                               f"[0, {self.n_logical}) (negative other than the -1 padding)")
+        drop = first & mapped
+        G = self.gpu_slots
+        on_gpu = drop & (phys < G)
+        on_cpu = drop & (phys >= G)
         gslot = torch.where(on_gpu, phys, -1)
-        cslot = torch.where(on_cpu, phys - self.G, -1)
-        self.loc.index_put_((safe,), torch.where(valid, -1, self.loc[safe]))
-        self.gpu_owner.index_put_((torch.where(on_gpu, gslot, self.G),),
-                                  torch.full_like(gslot, -1))
-        self.cpu_owner.index_put_((torch.where(on_cpu, cslot, self.C),),
+        cslot = torch.where(on_cpu, phys - G, -1)
+        self.loc.index_put_((torch.where(drop, flat, self.n_logical),),
+                            torch.full_like(flat, -1))
+        self.gpu_owner.index_put_((torch.where(on_gpu, gslot, G),), torch.full_like(gslot, -1))
+        self.cpu_owner.index_put_((torch.where(on_cpu, cslot, self.cpu_slots),),
                                   torch.full_like(cslot, -1))
         self.policy.release(gslot)
         self.pools.push_cpu(cslot)
+        self._count("invalid", bad.sum())
 
     # -- invariants -----------------------------------------------------------------------
     def check_integrity(self, live: torch.Tensor | None = None) -> None:
@@ -313,11 +388,12 @@ class SelectionGroup:
         ``live``: optional ``bool [n_logical]`` of allocated addresses; mapped addresses must be
         live.
         """
-        G, C = self.G, self.C
+        G, C = self.gpu_slots, self.cpu_slots
         loc = self.loc[: self.n_logical]
         assert int(self.loc[self.n_logical]) == -1, "scratch mapping entry was written"
         mapped = loc >= 0
         assert bool((loc < G + C).all()), "mapping points past the pools"
+        assert bool((loc >= -1).all()), "mapping holds a negative slot other than -1"
         if live is not None:
             assert not bool((mapped & ~live.to(self.device)).any()), "non-live address mapped"
         addr = torch.arange(self.n_logical, device=self.device)
@@ -332,12 +408,18 @@ class SelectionGroup:
         exp_c[c_slot] = c_addr
         assert torch.equal(exp_g, self.gpu_owner[:G]), "gpu_owner disagrees with mapping"
         assert torch.equal(exp_c, self.cpu_owner[:C]), "cpu_owner disagrees with mapping"
+        assert int(self.gpu_owner[G]) == -1 and int(self.cpu_owner[C]) == -1, "scratch owner"
         # free structures and owned slots are disjoint and cover each pool
         assert torch.equal(self.policy.used_mask(), exp_g >= 0), "policy free set != unowned"
+        assert int(self.policy.used_count()) == int((exp_g >= 0).sum()), "policy used count"
+        top = int(self.pools.cpu_top)
+        assert 0 <= top <= C, "CPU free stack pointer out of range"
         free_c = self.pools.cpu_free_set()
+        assert bool(((free_c >= 0) & (free_c < C)).all()), "CPU free stack holds a bad slot"
         assert free_c.unique().numel() == free_c.numel(), "CPU slot free twice"
         covered = torch.zeros(C, dtype=torch.bool, device=self.device)
         covered[free_c] = True
         assert torch.equal(covered, exp_c < 0), "CPU free stack != unowned CPU slots"
         self.policy.check_integrity()
-        assert bool((self._claim == torch.iinfo(torch.int64).max).all()), "claim table dirty"
+        assert bool((self._claim == _NO_CLAIM).all()), "claim table dirty"
+        assert bool((self.counters >= 0).all()), "negative counter"

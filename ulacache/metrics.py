@@ -1,50 +1,72 @@
-"""Prometheus text exposition of the core's counters and gauges.
+"""Prometheus metrics (prometheus_client, as SGLang's own) of an address space.
 
-Counters live on the pool's device (``SelectionGroup.counters``) and are read here, outside the
-decode path. Names follow SGLang's ``sglang:`` style with an ``ulacache_`` prefix; every series
-carries the selection group as a label.
+:class:`UlaCacheCollector` reads the host snapshot the counter monitor keeps
+(:mod:`ulacache.health`): a scrape never touches the device, and values may lag by one round.
+Register it in SGLang's registry (or any) with ``REGISTRY.register(UlaCacheCollector(space))``.
+Every series carries the selection group as a label; names use an ``ulacache_`` prefix.
 """
 
 from __future__ import annotations
 
-from .cache import UlaCache
+from collections.abc import Iterator
 
-_HELP = {
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from .space import AddressSpace
+
+HELP = {
     "accesses": "distinct selected rows resolved by sparse access",
     "gpu_hits": "selected rows already in the GPU pool",
     "promotions": "rows promoted CPU -> GPU (H2D row copies)",
     "writebacks": "victim rows written back GPU -> CPU during promotions",
-    "spills": "rows spilled GPU -> CPU to make room for new tokens",
     "placed": "new rows given a GPU slot",
-    "overflow": "rows that found no GPU slot (must stay 0)",
+    "spills": "rows spilled GPU -> CPU to make room for new rows",
+    "access_overflow": "selected rows served as padding: no GPU slot could take them (must be 0)",
+    "place_overflow": "new rows not stored: no GPU slot, or no CPU slot for the victim (must be 0)",
+    "invalid": "masked invalid addresses (validate off; must be 0)",
 }
 
 
-def prometheus_text(cache: UlaCache, prefix: str = "ulacache") -> str:
-    """Counters (``*_total``), row bytes moved per link, and occupancy gauges."""
-    lines: list[str] = []
-    per_group = [g.counter_values() for g in cache.groups]
-    rb = cache.config.row_layout.row_bytes
-    for name, text in _HELP.items():
-        metric = f"{prefix}_{name}_total"
-        lines += [f"# HELP {metric} {text}", f"# TYPE {metric} counter"]
-        lines += [f'{metric}{{group="{i}"}} {v[name]}' for i, v in enumerate(per_group)]
-    metric = f"{prefix}_bytes_moved_total"
-    lines += [f"# HELP {metric} row bytes moved between tiers, all layers of the group",
-              f"# TYPE {metric} counter"]
-    for i, (g, v) in enumerate(zip(cache.groups, per_group)):
-        per_row = rb * len(g.layers)
-        lines.append(f'{metric}{{group="{i}",link="h2d"}} {v["promotions"] * per_row}')
-        lines.append(f'{metric}{{group="{i}",link="d2h"}} '
-                     f'{(v["writebacks"] + v["spills"]) * per_row}')
-    for tier, help_text in (("gpu", "GPU slots holding a row"), ("cpu", "CPU slots holding a row")):
-        metric = f"{prefix}_{tier}_used_slots"
-        lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} gauge"]
-        for i, g in enumerate(cache.groups):
-            used = int((g.gpu_owner[: g.G] >= 0).sum()) if tier == "gpu" else \
-                g.C - int(g.pools.cpu_top)
-            lines.append(f'{metric}{{group="{i}"}} {used}')
-    lines += [f"# HELP {prefix}_reserved_tokens tokens charged by admitted requests",
-              f"# TYPE {prefix}_reserved_tokens gauge",
-              f"{prefix}_reserved_tokens {cache.reserved_total}"]
-    return "\n".join(lines) + "\n"
+class UlaCacheCollector:
+    """A prometheus_client collector over one :class:`AddressSpace` (and, optionally, the
+    reserved-token gauge of a request ledger)."""
+
+    def __init__(self, space: AddressSpace, prefix: str = "ulacache",
+                 reserved_tokens=None):
+        self.space, self.prefix = space, prefix
+        self.reserved_tokens = reserved_tokens  # callable -> int, or None
+
+    def collect(self) -> Iterator[Metric]:
+        p, snap = self.prefix, self.space.health.snapshot()
+        groups = [str(i) for i in range(len(snap))]
+        for name, text in HELP.items():
+            fam = CounterMetricFamily(f"{p}_{name}", text, labels=["group"])
+            for gi, row in zip(groups, snap):
+                fam.add_metric([gi], row[name])
+            yield fam
+        rb = self.space.config.row_layout.row_bytes
+        fam = CounterMetricFamily(f"{p}_bytes_moved", "row bytes moved between tiers, all layers "
+                                  "of the group", labels=["group", "link"])
+        for gi, g, row in zip(groups, self.space.groups, snap):
+            per_row = rb * len(g.layers)
+            fam.add_metric([gi, "h2d"], row["promotions"] * per_row)
+            fam.add_metric([gi, "d2h"], (row["writebacks"] + row["spills"]) * per_row)
+        yield fam
+        for tier, text in (("gpu", "GPU slots holding a row"), ("cpu", "CPU slots holding a row")):
+            fam = GaugeMetricFamily(f"{p}_{tier}_used_slots", text, labels=["group"])
+            for gi, row in zip(groups, snap):
+                fam.add_metric([gi], row[f"{tier}_used"])
+            yield fam
+        yield GaugeMetricFamily(f"{p}_overflow_warnings", "overflow warnings logged so far",
+                                value=self.space.health.warnings)
+        if self.reserved_tokens is not None:
+            yield GaugeMetricFamily(f"{p}_reserved_tokens", "tokens charged by admitted requests",
+                                    value=self.reserved_tokens())
+
+
+def prometheus_text(space: AddressSpace, reserved_tokens=None, prefix: str = "ulacache") -> str:
+    """The text exposition of one address space's metrics (a private registry)."""
+    registry = CollectorRegistry()
+    registry.register(UlaCacheCollector(space, prefix, reserved_tokens))
+    return generate_latest(registry).decode()

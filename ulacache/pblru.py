@@ -1,19 +1,20 @@
 """Replacement policies over the GPU slots of one selection group.
 
-Two policies sit behind one small interface (:class:`ReplacementPolicy`):
+Two policies sit behind one small interface (:class:`ReplacementPolicy`), registered by name in
+:data:`POLICIES` (the config's legal ``policy`` values come from it):
 
-- :class:`PBLRU`, the paper's Parallel Bucketed LRU: ``n_b`` recent bucket bitmaps plus a cold
-  bucket (and a free bitmap), one bit per GPU slot. A touch is O(k); choosing victims is
-  O(G / 63) word operations (prefix sums over per-word popcounts), never a scan of slots.
-- :class:`ExactLRU`, the paper's baseline: a timestamp per slot and a pool-wide scan
+- ``"pblru"`` :class:`PBLRU`, the paper's Parallel Bucketed LRU: recency buckets as bitmaps,
+  one bit per GPU slot. A touch is O(k); choosing victims is O(n_b G / 1008) word operations
+  (prefix sums over per-word popcounts), never a scan or sort of slots.
+- ``"lru"`` :class:`ExactLRU`, the paper's baseline: a timestamp per slot and a pool-wide scan
   (``topk`` over all slots) to find victims.
 
-Both are pure tensor code on the pool's device: no Python loop over slots, no host
-synchronisation in ``touch``/``victims``, fixed output shapes, so the per-step path can be
-captured in a CUDA graph. ``advance`` runs once per scheduling round, outside the graph.
+Both are pure tensor code on the pool's device: no Python loop over slots and no host
+synchronisation in any method but ``check_integrity``, fixed output shapes, so the per-step
+path can be captured in a CUDA graph. ``advance`` runs once per scheduling round.
 
 Victim order, both policies: free slots first, then least recently used. Slots touched in the
-current round (the *current bucket*: rows this step reads or wrote) are never victims.
+current round (rows this step reads or wrote) are never victims.
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ import torch
 from .errors import ShapeError
 from .pools import resolve_device
 
-__all__ = ["ReplacementPolicy", "PBLRU", "ExactLRU", "make_policy"]
+__all__ = ["ReplacementPolicy", "PBLRU", "ExactLRU", "POLICIES", "make_policy"]
 
 _WORD_BITS = 63  # bits per int64 word: bit 63 unused, so +/- 2**b scatter-adds never overflow
 _SUPER = 16  # words per superblock (second level of the count hierarchy)
-_FREE_STAMP = -(2**62)
+_FREE = -(2**62)  # stamp of a free slot
 
 
 def _byte_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,24 +44,34 @@ def _byte_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class ReplacementPolicy(ABC):
-    """Recency over ``n_slots`` GPU slots. Slot ids are ``int64``; ``-1`` entries are ignored.
+    """Recency over ``n_slots`` GPU slots. Slot ids are ``int64 [n]``; ``-1`` entries are
+    ignored; the slots of one call are distinct.
 
-    Contract (all methods except ``advance`` and ``check_integrity`` are graph-safe):
+    Graph-safe methods (tensor work on the device, no host sync):
 
-    - ``touch(slots)``: the (distinct) slots become used and most recent (current round).
-    - ``release(slots)``: the (distinct, used) slots become free.
+    - ``touch(slots)``: the slots become used and most recent (this round: pinned).
+    - ``assign(slots)``: as ``touch``, for slots that just received a new row (placement,
+      promotion): turnover, which PB-LRU paces its buckets by.
+    - ``release(slots)``: the (used) slots become free.
     - ``victims(n)``: ``int64 [n]``, the first ``n`` slots in victim order, ``-1`` past the
       number of eligible slots. Pure: state is unchanged.
     - ``eligible()``: 0-dim ``int64``, how many slots ``victims`` can return.
-    - ``in_current_round(slots)``: ``bool`` mask, slots touched this round (never victims).
+    - ``pinned(slots)``: ``bool [n]``, slots touched this round (never victims).
+    - ``used_count()``: 0-dim ``int64``, slots that are not free.
     - ``advance()``: start a new scheduling round.
+
+    ``used_mask()`` and ``check_integrity()`` are host-side (tests, metrics).
     """
 
     n_slots: int
     device: torch.device
+    round_t: torch.Tensor  # 0-dim int64 on the device: the current round
 
     @abstractmethod
     def touch(self, slots: torch.Tensor) -> None: ...
+
+    def assign(self, slots: torch.Tensor) -> None:
+        self.touch(slots)
 
     @abstractmethod
     def release(self, slots: torch.Tensor) -> None: ...
@@ -71,27 +82,18 @@ class ReplacementPolicy(ABC):
     @abstractmethod
     def eligible(self) -> torch.Tensor: ...
 
-    # Both policies keep ``stamp int64 [n_slots + 1]`` (last-touch round) and the round counter
-    # twice: ``round_t`` on the device for the graph-safe path, ``_round`` on the host.
-    stamp: torch.Tensor
-    round_t: torch.Tensor
-    _round: int
+    @abstractmethod
+    def pinned(self, slots: torch.Tensor) -> torch.Tensor: ...
 
-    def in_current_round(self, slots: torch.Tensor) -> torch.Tensor:
-        valid, s = self._slots(slots)
-        return valid & (self.stamp[s] == self.round_t)
-
-    def advance(self) -> None:
-        self._round += 1
-        self.round_t.fill_(self._round)
-        self._retire()
-
-    def _retire(self) -> None:  # noqa: B027 - optional hook, a no-op for exact LRU
-        """Policy-specific work when a round starts (after the counter moved)."""
+    @abstractmethod
+    def advance(self) -> None: ...
 
     @abstractmethod
     def used_mask(self) -> torch.Tensor:
         """``bool [n_slots]``: slots that are not free."""
+
+    def used_count(self) -> torch.Tensor:
+        return self.used_mask().sum(dtype=torch.int64)
 
     @abstractmethod
     def check_integrity(self) -> None: ...
@@ -100,69 +102,87 @@ class ReplacementPolicy(ABC):
         """(valid mask, slots with invalid entries redirected to the scratch index n_slots)."""
         if slots.dtype != torch.int64 or slots.dim() != 1:
             raise ShapeError(f"slots must be int64 [n], got {slots.dtype} {tuple(slots.shape)}")
-        valid = slots >= 0
+        valid = (slots >= 0) & (slots < self.n_slots)
         return valid, torch.where(valid, slots, self.n_slots)
 
 
 class PBLRU(ReplacementPolicy):
-    """Parallel Bucketed LRU (UlaCache §5.1).
+    """Parallel Bucketed LRU (UlaCache §5.1) with turnover-paced buckets.
 
-    State (``W = ceil(G / 63)`` words, rounded up to whole superblocks):
+    Buckets, one bitmap row each (bit ``s % 63`` of word ``s // 63`` is slot ``s``; every slot
+    is in exactly one row)::
 
-    - ``bits int64 [n_b + 2, W + 16]``: row 0 the free bitmap, row 1 the cold bucket, row
-      ``2 + i`` recent bucket ``i``. Bit ``s % 63`` of word ``s // 63`` is slot ``s``. Every
-      slot is in exactly one row.
-    - ``counts int32 [n_b + 2, W + 16]``: popcount of each word, kept in step with ``bits``;
-      ``super_counts int32 [n_b + 2, W / 16 + 1]``: their sums per superblock of 16 words.
-      The last superblock of each row is scratch (masked updates land there).
-    - ``stamp int64 [G + 1]``: the round of the slot's last touch, or a FREE sentinel. This is
-      the paper's slot -> bucket id table in a rotation-free form: bucket(s) is FREE, COLD
-      when ``round - stamp >= n_b``, else ``stamp % n_b``. Advancing a round therefore rewrites
-      no per-slot ids: it ORs the bucket that becomes current into cold and clears it (O(W)).
+        row 0            free slots
+        row 1            cold: older than every recent bucket (unordered)
+        rows 2 .. n_b+1  recent buckets, one per *epoch* (ring: epoch e is row 2 + e % n_b)
+        row n_b + 2      the current bucket: slots touched this round (never victims)
+
+    Victim order: free, cold, recent buckets oldest -> newest; the current bucket is excluded.
+
+    Epochs follow the pool's turnover, not the round count: at a round boundary the current
+    bucket joins the newest epoch, and a new epoch starts only once ``bucket_fill`` slots
+    (default ``ceil(G / n_b)``) have turned over since the last one: received a new row
+    (``assign``: placement, promotion) or been touched out of the cold or free row. Re-touching
+    the hot set does not count. The n_b recent buckets then span about one pool's worth of
+    turnover whatever the batch or selection size, so rows rarely fall into the unordered cold
+    bucket while exact LRU would still order them (with one epoch per round, a single request
+    with a slow pool turnover missed up to 3x as often as exact LRU). ``bucket_fill=0``
+    restores one epoch per round. The decision is made on the device: rounds stay sync-free.
+
+    State (``W = ceil(G / 63)`` words, rounded up to whole superblocks of 16 words):
+
+    - ``bits int64 [n_b + 3, W + 16]``, ``counts int32`` (popcount per word) and
+      ``super_counts int32 [n_b + 3, W / 16 + 1]`` (sums per superblock), kept in step; the
+      last superblock of each row is scratch (masked updates land there).
+    - ``round_of int64 [G + 1]`` / ``epoch_of int64 [G + 1]``: round and epoch of each slot's
+      last touch (``_FREE`` when free). The paper's slot -> bucket table in a rotation-free
+      form: row = free | current (``round_of == round``) | cold (``epoch - epoch_of >= n_b``)
+      | 2 + ``epoch_of % n_b``. Advancing therefore rewrites no per-slot ids (O(W), not O(G)).
+    - ``round_t``, ``epoch_t``, ``entered``: 0-dim ``int64`` on the device.
 
     Why bitmaps with a two-level count hierarchy: the i-th victim is found by a prefix sum over
-    superblock counts in victim order (free, cold, recent oldest -> newest, current excluded),
-    then a 16-word prefix inside its superblock and a select within one word. That is
-    O(n_b * G / 1008) + O(16 n) tensor work with fixed shapes, so many buckets (a fine recency
-    resolution) stay cheap, where an exact LRU must scan (sort) all G timestamps.
+    superblock counts in victim order, then a 16-word prefix inside its superblock and a select
+    within one word: O(n_b G / 1008) + O(16 n) fixed-shape tensor work, so many buckets (a fine
+    recency resolution) stay cheap, where exact LRU must scan all G timestamps.
     """
 
-    def __init__(self, n_slots: int, n_buckets: int = 64, device: torch.device | str = "cpu"):
+    def __init__(self, n_slots: int, n_buckets: int = 64, device: torch.device | str = "cpu",
+                 bucket_fill: int | None = None):
         if n_slots < 1 or n_buckets < 2:
-            raise ValueError("PBLRU needs n_slots >= 1 and n_buckets >= 2")
+            raise ShapeError("PBLRU needs n_slots >= 1 and n_buckets >= 2")
         self.n_slots, self.n_buckets = int(n_slots), int(n_buckets)
+        self.bucket_fill = -(-self.n_slots // self.n_buckets) if bucket_fill is None \
+            else int(bucket_fill)
         self.device = resolve_device(device)
         self.n_super = -(-self.n_slots // (_WORD_BITS * _SUPER))
         self.n_words = self.n_super * _SUPER  # padded to whole superblocks
-        rows = self.n_buckets + 2
-        # one extra (scratch) superblock per row absorbs masked updates; its first word is the
-        # scratch word n_words
-        self.bits = torch.zeros(rows, self.n_words + _SUPER, dtype=torch.int64, device=self.device)
+        self.current_row = self.n_buckets + 2
+        rows = self.n_buckets + 3
+        i64 = dict(dtype=torch.int64, device=self.device)
+        self.bits = torch.zeros(rows, self.n_words + _SUPER, **i64)
         self.counts = torch.zeros(rows, self.n_words + _SUPER, dtype=torch.int32,
                                   device=self.device)
         self.super_counts = torch.zeros(rows, self.n_super + 1, dtype=torch.int32,
                                         device=self.device)
-        self.stamp = torch.full((self.n_slots + 1,), _FREE_STAMP, dtype=torch.int64,
-                                device=self.device)
-        self.round_t = torch.zeros((), dtype=torch.int64, device=self.device)
-        self._round = 0
+        self.round_of = torch.full((self.n_slots + 1,), _FREE, **i64)
+        self.epoch_of = torch.full((self.n_slots + 1,), _FREE, **i64)
+        self.round_t = torch.zeros((), **i64)
+        self.epoch_t = torch.zeros((), **i64)
+        self.entered = torch.zeros((), **i64)  # slots that entered recency this epoch
         self._popcount, self._select = _byte_tables(self.device)
-        self._recent_age = torch.arange(1, self.n_buckets, device=self.device)
-        self._head = torch.tensor([0, 1], dtype=torch.int64, device=self.device)
+        self._ring = torch.arange(1, self.n_buckets + 1, device=self.device)
+        self._head = torch.tensor([0, 1], **i64)
         all_slots = torch.arange(self.n_slots, device=self.device)
-        self._set_bits(torch.zeros_like(all_slots), all_slots)  # everything starts free
+        self._move_bits(all_slots, None, torch.zeros_like(all_slots),
+                        torch.ones_like(all_slots, dtype=torch.bool))  # everything starts free
 
     # -- bit plumbing -------------------------------------------------------------------
-    def _set_bits(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
-        """Add ``slots`` (all absent from every row) to bucket ``rows`` (initial fill)."""
-        self._move_bits(slots, None, rows, torch.ones_like(slots, dtype=torch.bool))
-
     def _move_bits(self, slots: torch.Tensor, src_rows: torch.Tensor | None,
                    dst_rows: torch.Tensor, mask: torch.Tensor) -> None:
         """Move ``slots`` from bucket ``src_rows`` to ``dst_rows`` where ``mask``: clear the old
-        bit and set the new one (+/- 2**bit scatter-adds: no carries, the caller guarantees the
-        old bit is set and the new one clear), keeping word and superblock counts in step.
-        Masked entries land in the scratch word / superblock. One scatter per table."""
+        bit and set the new one (+/- 2**bit scatter-adds: no carries, as the old bit is set and
+        the new one clear), keeping word and superblock counts in step. Masked entries land in
+        the scratch word / superblock. One scatter per table."""
         word = torch.div(slots, _WORD_BITS, rounding_mode="floor")
         value = torch.bitwise_left_shift(torch.ones_like(word), slots - word * _WORD_BITS)
         sup = torch.where(mask, torch.div(word, _SUPER, rounding_mode="floor"), self.n_super)
@@ -178,35 +198,62 @@ class PBLRU(ReplacementPolicy):
         self.counts.view(-1).scatter_add_(0, flat, ones)
         self.super_counts.view(-1).scatter_add_(0, flat_sup, ones)
 
-    def _row_of(self, stamp: torch.Tensor) -> torch.Tensor:
-        """Bucket row (0 free, 1 cold, 2 + i recent) of slots with these stamps."""
-        recent = 2 + torch.remainder(stamp, self.n_buckets)
-        row = torch.where(self.round_t - stamp >= self.n_buckets, 1, recent)
-        return torch.where(stamp == _FREE_STAMP, 0, row)
+    def _row_of(self, round_of: torch.Tensor, epoch_of: torch.Tensor) -> torch.Tensor:
+        """Bucket row of slots with these stamps (see the class docstring)."""
+        recent = 2 + torch.remainder(epoch_of, self.n_buckets)
+        row = torch.where(self.epoch_t - epoch_of >= self.n_buckets, 1, recent)
+        row = torch.where(round_of == self.round_t, self.current_row, row)
+        return torch.where(round_of == _FREE, 0, row)
 
-    def _current_row(self) -> torch.Tensor:
-        return 2 + torch.remainder(self.round_t, self.n_buckets)
+    def _move_row(self, dst: torch.Tensor, src: torch.Tensor, move: torch.Tensor) -> None:
+        """If ``move`` (0-dim 0/1): every member of row ``src`` joins row ``dst`` (rows hold
+        disjoint sets, so adding is OR). Rows are device scalars: no host sync."""
+        for table in (self.bits, self.counts, self.super_counts):
+            moved = table.index_select(0, src.view(1)) * move.to(table.dtype)
+            table.index_add_(0, dst.view(1), moved)
+            table.index_add_(0, src.view(1), -moved)
 
     # -- interface ----------------------------------------------------------------------
-    def touch(self, slots: torch.Tensor) -> None:
+    def touch(self, slots: torch.Tensor, assigned: bool = False) -> None:
         valid, s = self._slots(slots)
-        stamp = self.stamp[s]
-        move = valid & (stamp != self.round_t)  # in the current bucket iff touched this round
-        self._move_bits(s, self._row_of(stamp), self._current_row().expand_as(s), move)
-        self.stamp.index_put_((torch.where(move, s, self.n_slots),), self.round_t.expand_as(s))
+        old = self._row_of(self.round_of[s], self.epoch_of[s])
+        move = valid & (old != self.current_row)
+        self._move_bits(s, old, torch.full_like(s, self.current_row), move)
+        # turnover: slots with a new row, and touches from outside recency (free or cold)
+        self.entered.add_((move if assigned else move & (old <= 1)).sum())
+        dst = torch.where(move, s, self.n_slots)
+        self.round_of.index_put_((dst,), self.round_t.expand_as(s))
+        self.epoch_of.index_put_((dst,), self.epoch_t.expand_as(s))
+
+    def assign(self, slots: torch.Tensor) -> None:
+        self.touch(slots, assigned=True)
 
     def release(self, slots: torch.Tensor) -> None:
         valid, s = self._slots(slots)
-        old_row = self._row_of(self.stamp[s])
-        move = valid & (old_row != 0)
-        self._move_bits(s, old_row, torch.zeros_like(s), move)
-        self.stamp.index_put_((torch.where(move, s, self.n_slots),),
-                              torch.full_like(s, _FREE_STAMP))
+        old = self._row_of(self.round_of[s], self.epoch_of[s])
+        move = valid & (old != 0)
+        self._move_bits(s, old, torch.zeros_like(s), move)
+        dst = torch.where(move, s, self.n_slots)
+        self.round_of.index_put_((dst,), torch.full_like(s, _FREE))
+        self.epoch_of.index_put_((dst,), torch.full_like(s, _FREE))
+
+    def advance(self) -> None:
+        """End the round: its bucket joins the newest epoch; a new epoch starts (retiring the
+        ring row it reuses into cold) once ``bucket_fill`` slots entered recency."""
+        one = torch.ones((), dtype=torch.int64, device=self.device)
+        newest = 2 + torch.remainder(self.epoch_t, self.n_buckets)
+        self._move_row(newest, one * self.current_row, one)
+        go = (self.entered >= self.bucket_fill).to(torch.int64)
+        self.epoch_t.add_(go)
+        self.entered.mul_(1 - go)
+        # the ring row the new epoch reuses held epoch e - n_b: its members turn cold
+        self._move_row(one, 2 + torch.remainder(self.epoch_t, self.n_buckets), go)
+        self.round_t.add_(1)
 
     def _victim_rows(self) -> torch.Tensor:
-        """``int64 [n_b + 1]`` bucket rows in victim order: free, cold, oldest .. newest recent
+        """``int64 [n_b + 2]`` bucket rows in victim order: free, cold, recent oldest .. newest
         (the current bucket is not among them)."""
-        recent = 2 + torch.remainder(self.round_t + self._recent_age, self.n_buckets)
+        recent = 2 + torch.remainder(self.epoch_t + self._ring, self.n_buckets)
         return torch.cat([self._head, recent])
 
     def victims(self, n: int) -> torch.Tensor:
@@ -260,37 +307,38 @@ class PBLRU(ReplacementPolicy):
         rows = self._victim_rows()
         return self.super_counts.index_select(0, rows)[:, : self.n_super].sum(dtype=torch.int64)
 
-    def _retire(self) -> None:
-        row = 2 + self._round % self.n_buckets  # becomes current: its members retire to cold
-        self.bits[1].add_(self.bits[row])  # disjoint sets: add == OR, no carries
-        self.counts[1].add_(self.counts[row])
-        self.super_counts[1].add_(self.super_counts[row])
-        self.bits[row].zero_()
-        self.counts[row].zero_()
-        self.super_counts[row].zero_()
+    def pinned(self, slots: torch.Tensor) -> torch.Tensor:
+        valid, s = self._slots(slots)
+        return valid & (self.round_of[s] == self.round_t)
+
+    def used_count(self) -> torch.Tensor:
+        return self.n_slots - self.super_counts[0, : self.n_super].sum(dtype=torch.int64)
 
     def used_mask(self) -> torch.Tensor:
-        return self.stamp[: self.n_slots] != _FREE_STAMP
+        return self.round_of[: self.n_slots] != _FREE
 
     def bucket_of(self, slots: torch.Tensor) -> torch.Tensor:
-        """Bucket row of each slot (0 free, 1 cold, 2 + i recent bucket i); for tests/metrics."""
-        return self._row_of(self.stamp[slots])
+        """Bucket row of each slot (0 free, 1 cold, 2 + i recent ring row i, n_b + 2 current);
+        for tests and metrics."""
+        return self._row_of(self.round_of[slots], self.epoch_of[slots])
 
     def check_integrity(self) -> None:
-        assert int(self.round_t) == self._round, "device round diverged from host round"
+        G, W, S = self.n_slots, self.n_words, self.n_super
+        used = self.used_mask()
+        assert torch.equal(used, self.epoch_of[:G] != _FREE), "round and epoch stamps disagree"
+        assert bool((self.round_of[:G][used] <= self.round_t).all()), "round stamp from the future"
+        assert bool((self.epoch_of[:G][used] <= self.epoch_t).all()), "epoch stamp from the future"
+        assert 0 <= int(self.entered), "negative entry count"
         expected = PBLRU.__new__(PBLRU)
         expected.__dict__.update(self.__dict__)
-        expected.bits = torch.zeros_like(self.bits)
-        expected.counts = torch.zeros_like(self.counts)
-        expected.super_counts = torch.zeros_like(self.super_counts)
-        slots = torch.arange(self.n_slots, device=self.device)
-        expected._set_bits(self._row_of(self.stamp[: self.n_slots]), slots)
-        W, S = self.n_words, self.n_super  # the scratch word / superblock absorb masked updates
+        for name in ("bits", "counts", "super_counts"):
+            setattr(expected, name, torch.zeros_like(getattr(self, name)))
+        slots = torch.arange(G, device=self.device)
+        expected._move_bits(slots, None, self.bucket_of(slots), torch.ones_like(used))
         assert torch.equal(expected.bits[:, :W], self.bits[:, :W]), "bitmaps disagree with stamps"
         assert torch.equal(expected.counts[:, :W], self.counts[:, :W]), "word counts != bits"
         assert torch.equal(expected.super_counts[:, :S], self.super_counts[:, :S]), \
             "superblock counts != word counts"
-        assert bool((self.stamp[: self.n_slots] <= self.round_t).all()), "stamp from the future"
 
 
 class ExactLRU(ReplacementPolicy):
@@ -302,7 +350,6 @@ class ExactLRU(ReplacementPolicy):
         self.device = resolve_device(device)
         self.stamp = torch.full((self.n_slots + 1,), -1, dtype=torch.int64, device=self.device)
         self.round_t = torch.zeros((), dtype=torch.int64, device=self.device)
-        self._round = 0
         self._ids = torch.arange(self.n_slots, device=self.device)
 
     def touch(self, slots: torch.Tensor) -> None:
@@ -312,6 +359,9 @@ class ExactLRU(ReplacementPolicy):
     def release(self, slots: torch.Tensor) -> None:
         valid, s = self._slots(slots)
         self.stamp.index_put_((s,), torch.where(valid, -1, self.stamp[s]))
+
+    def advance(self) -> None:
+        self.round_t.add_(1)
 
     def victims(self, n: int) -> torch.Tensor:
         stamp = self.stamp[: self.n_slots]
@@ -327,19 +377,26 @@ class ExactLRU(ReplacementPolicy):
     def eligible(self) -> torch.Tensor:
         return (self.stamp[: self.n_slots] != self.round_t).sum(dtype=torch.int64)
 
+    def pinned(self, slots: torch.Tensor) -> torch.Tensor:
+        valid, s = self._slots(slots)
+        return valid & (self.stamp[s] == self.round_t)
+
     def used_mask(self) -> torch.Tensor:
         return self.stamp[: self.n_slots] >= 0
 
     def check_integrity(self) -> None:
-        assert int(self.round_t) == self._round, "device round diverged from host round"
         assert bool((self.stamp[: self.n_slots] <= self.round_t).all()), "stamp from the future"
+
+
+POLICIES: dict[str, type[ReplacementPolicy]] = {"pblru": PBLRU, "lru": ExactLRU}
+"""Policy names (config ``policy``) -> classes. The one registry of legal names."""
 
 
 def make_policy(name: str, n_slots: int, n_buckets: int = 64,
                 device: torch.device | str = "cpu") -> ReplacementPolicy:
-    """``"pblru"`` or ``"lru"`` (exact LRU baseline)."""
-    if name == "pblru":
+    """A policy by registered name (see :data:`POLICIES`)."""
+    if name not in POLICIES:
+        raise ShapeError(f"unknown policy {name!r}; legal: {sorted(POLICIES)}")
+    if POLICIES[name] is PBLRU:
         return PBLRU(n_slots, n_buckets, device)
-    if name == "lru":
-        return ExactLRU(n_slots, device)
-    raise ValueError(f"unknown policy {name!r}; legal: 'pblru', 'lru'")
+    return POLICIES[name](n_slots, device)

@@ -14,10 +14,11 @@ promotions can pop and push without host synchronisation.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
-from .errors import ShapeError
+from .errors import CapacityExhausted, ShapeError
 
 logger = logging.getLogger(__name__)
 
@@ -31,16 +32,52 @@ def resolve_device(device: torch.device | str) -> torch.device:
     return device
 
 
-def host_rows(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """A ``uint8`` host tensor for the CPU tier: exact-size pinned memory when the GPU pool is
-    on CUDA (so kernels can read it directly), plain memory otherwise."""
+def _free_bytes(device: torch.device) -> int | None:
+    """Memory that an allocation on ``device`` can still take (``None``: unknown)."""
     if device.type == "cuda":
-        try:
+        return torch.cuda.mem_get_info(device)[0]
+    try:  # MemAvailable counts reclaimable page cache, unlike the free-page count
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # pragma: no cover - not Linux
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return None
+
+
+def allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, what: str,
+             fill: int | None = 0, pinned: bool = False) -> torch.Tensor:
+    """A tensor for core state, refused with :class:`CapacityExhausted` naming ``what`` (and
+    its size) when the memory is not there, instead of a raw ``MemoryError`` or an OOM kill
+    half-way through building a cache."""
+    nbytes = dtype.itemsize
+    for d in shape:
+        nbytes *= d
+    host = pinned or device.type != "cuda"
+    avail = _free_bytes(torch.device("cpu") if host else device)
+    if avail is not None and nbytes > avail:
+        raise CapacityExhausted(f"{what} needs {nbytes / 2**30:.2f} GiB ({tuple(shape)} "
+                                f"{dtype}) but only {avail / 2**30:.2f} GiB of "
+                                f"{'host' if host else str(device)} memory is available; "
+                                "lower gpu_slots / cpu_slots / the layer count")
+    try:
+        if pinned:
             from ulacache.kernels.pinned import pinned_empty
-        except ImportError:  # pragma: no cover - kernels package without the pinned helper
-            return torch.empty(shape, dtype=torch.uint8, pin_memory=True)
-        return pinned_empty(shape, torch.uint8)
-    return torch.zeros(shape, dtype=torch.uint8)
+
+            t = pinned_empty(shape, dtype)
+            if fill is not None:
+                t.fill_(fill)
+            return t
+        if fill is None:
+            return torch.empty(shape, dtype=dtype, device=device)
+        return torch.full(shape, fill, dtype=dtype, device=device)
+    except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        raise CapacityExhausted(f"{what} ({nbytes / 2**30:.2f} GiB, {tuple(shape)} {dtype}) "
+                                f"could not be allocated on {device}: {e}") from None
 
 
 class TierPools:
@@ -48,18 +85,20 @@ class TierPools:
 
     Attributes
     ----------
-    gpu : ``uint8 [L, G + 1, row_bytes]`` on ``device``.
-    cpu : ``uint8 [L, C + 1, row_bytes]`` in host memory.
-    cpu_free : ``int64 [C + 1]`` on ``device``; ``cpu_free[:cpu_top]`` are the free CPU slots
-        (entry C is scratch for masked pushes).
+    gpu : ``uint8 [L, gpu_slots + 1, row_bytes]`` on ``device``.
+    cpu : ``uint8 [L, cpu_slots + 1, row_bytes]`` in host memory.
+    cpu_free : ``int64 [cpu_slots + 1]`` on ``device``; ``cpu_free[:cpu_top]`` are the free CPU
+        slots (entry ``cpu_slots`` is scratch for masked pushes).
     cpu_top : 0-dim ``int64`` on ``device``.
+
+    ``L`` may be 0: a residency-only group (simulations of the policy) moves no bytes.
     """
 
     def __init__(self, n_layers: int, gpu_slots: int, cpu_slots: int, row_bytes: int,
                  device: torch.device | str = "cpu", gpu_storage: torch.Tensor | None = None):
         self.device = resolve_device(device)
         self.n_layers, self.row_bytes = n_layers, row_bytes
-        self.n_gpu, self.n_cpu = gpu_slots, cpu_slots
+        self.gpu_slots, self.cpu_slots = gpu_slots, cpu_slots
         shape = (n_layers, gpu_slots + 1, row_bytes)
         if gpu_storage is not None:
             # An engine-owned buffer (SGLang's kv_buffer rows): rows must be contiguous bytes.
@@ -67,21 +106,27 @@ class TierPools:
                     or gpu_storage.stride(2) != 1 or gpu_storage.device != self.device):
                 raise ShapeError(f"gpu_storage must be uint8 {shape} on {self.device} with "
                                  f"contiguous rows, got {gpu_storage.dtype} "
-                                 f"{tuple(gpu_storage.shape)} stride {gpu_storage.stride()}")
+                                 f"{tuple(gpu_storage.shape)} stride {gpu_storage.stride()} on "
+                                 f"{gpu_storage.device}")
             self.gpu = gpu_storage
         else:
-            self.gpu = torch.zeros(shape, dtype=torch.uint8, device=self.device)
-        self.cpu = host_rows((n_layers, cpu_slots + 1, row_bytes), self.device)
+            self.gpu = allocate(shape, torch.uint8, self.device, "the GPU pool")
+        # Exact-size pinned host memory when the kernels read it from a CUDA device.
+        self.cpu = allocate((n_layers, cpu_slots + 1, row_bytes), torch.uint8, self.device,
+                            "the CPU pool", pinned=self.device.type == "cuda",
+                            fill=None if self.device.type == "cuda" else 0)
         # Pops take from the top; reversed so that a fresh pool hands out slots 0, 1, 2, ...
-        self.cpu_free = torch.cat([torch.arange(cpu_slots - 1, -1, -1),
-                                   torch.tensor([cpu_slots])]).to(self.device)
+        self.cpu_free = allocate((cpu_slots + 1,), torch.int64, self.device, "the CPU free stack")
+        self.cpu_free[:cpu_slots] = torch.arange(cpu_slots - 1, -1, -1, device=self.device)
+        self.cpu_free[cpu_slots] = cpu_slots
         self.cpu_top = torch.tensor(cpu_slots, dtype=torch.int64, device=self.device)
         logger.debug("pools: %d layers x (%d GPU + %d CPU) rows of %d B", n_layers, gpu_slots,
                      cpu_slots, row_bytes)
 
     def pop_cpu(self, want: torch.Tensor) -> torch.Tensor:
-        """Pop one free CPU slot for each ``True`` in ``want`` (``bool [n]``); ``int64 [n]``
-        with ``-1`` where not wanted or the stack ran dry. Graph-safe."""
+        """Pop one free CPU slot for each ``True`` in ``want`` (``bool [n]``), in order;
+        ``int64 [n]`` with ``-1`` where not wanted or the stack ran dry (then every later
+        wanted entry gets ``-1`` too). Graph-safe."""
         rank = torch.cumsum(want, 0) - 1
         pos = self.cpu_top - 1 - rank
         got = want & (pos >= 0)
@@ -93,9 +138,13 @@ class TierPools:
         """Push the valid (``>= 0``, distinct, currently used) CPU slots back. Graph-safe."""
         put = slots >= 0
         rank = torch.cumsum(put, 0) - 1
-        pos = torch.where(put, self.cpu_top + rank, self.n_cpu)
-        self.cpu_free.index_put_((pos,), torch.where(put, slots, self.n_cpu))
+        pos = torch.where(put, self.cpu_top + rank, self.cpu_slots)
+        self.cpu_free.index_put_((pos,), torch.where(put, slots, self.cpu_slots))
         self.cpu_top.add_(put.sum())
+
+    def cpu_used(self) -> torch.Tensor:
+        """0-dim ``int64``: CPU slots holding a row (device-side, no sync)."""
+        return self.cpu_slots - self.cpu_top
 
     def cpu_free_set(self) -> torch.Tensor:
         """The free CPU slots (host-side, for integrity checks)."""

@@ -32,7 +32,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 import torch
 
 from ulacache.errors import AddressError, ConfigError, ShapeError, UnknownRequest
-from ulacache.rowpack import pack_rows, row_bytes, unpack_rows
+from ulacache.oracle.rowpack import pack_rows, row_bytes, unpack_rows
 
 logger = logging.getLogger(__name__)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from ulacache.errors import ShapeError
+from ulacache.layout import SCALE_BYTES, bf16_row_bytes, fp8_row_bytes
 
 __all__ = [
     "FP8_MAX",
@@ -36,22 +37,12 @@ __all__ = [
 ]
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
-_SCALE_BYTES = 4  # one float32 per block
-
-
-def bf16_row_bytes(kv_lora_rank: int = 512, rope_dim: int = 64) -> int:
-    """Bytes of one bf16 latent row (1152 for rank 512 + rope 64)."""
-    return 2 * (kv_lora_rank + rope_dim)
-
-
-def fp8_row_bytes(kv_lora_rank: int = 512, rope_dim: int = 64, block: int = 128) -> int:
-    """Bytes of one FP8-with-scale latent row (656 for rank 512 + rope 64, block 128)."""
-    _check_block(kv_lora_rank, block)
-    return kv_lora_rank + _SCALE_BYTES * (kv_lora_rank // block) + 2 * rope_dim
+_SCALE_BYTES = SCALE_BYTES  # one float32 per block
 
 
 def row_bytes(layout: str, kv_lora_rank: int = 512, rope_dim: int = 64, block: int = 128) -> int:
-    """Bytes of one latent row in ``layout`` (``"bf16"`` or ``"fp8"``)."""
+    """Bytes of one latent row in ``layout`` (``"bf16"`` or ``"fp8"``); the formulas live in
+    :mod:`ulacache.layout`."""
     if layout == "bf16":
         return bf16_row_bytes(kv_lora_rank, rope_dim)
     if layout == "fp8":

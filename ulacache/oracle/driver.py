@@ -2,7 +2,7 @@
 step by step against a fully resident run of the same model.
 
 :class:`UlaCacheStore` adapts :class:`~ulacache.cache.UlaCache` to the model's
-:class:`~ulacache.refmodel.LatentStore` protocol the way the SGLang seams use it:
+:class:`~ulacache.oracle.refmodel.LatentStore` protocol the way the SGLang seams use it:
 
 - a step (``begin_step``) is one scheduling round (PB-LRU advances);
 - the first write of a new position allocates its logical address and GPU slot (``extend``),
@@ -19,16 +19,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import UlaCache
-from .config import UlaCacheConfig
-from .errors import ShapeError
+from ulacache.cache import UlaCache
+from ulacache.config import UlaCacheConfig
+from ulacache.errors import ShapeError
+
 from .refmodel import DecodeOutput, DSAMLAModel, ModelGeometry, ResidentStore
 
 logger = logging.getLogger(__name__)
 
 
 class UlaCacheStore:
-    """A :class:`~ulacache.refmodel.LatentStore` whose rows live in a :class:`UlaCache`."""
+    """A :class:`~ulacache.oracle.refmodel.LatentStore` whose rows live in a :class:`UlaCache`."""
 
     def __init__(self, cache: UlaCache):
         self.cache = cache
@@ -36,7 +37,7 @@ class UlaCacheStore:
         self.steps = 0
 
     def begin_step(self) -> None:
-        self.cache.begin_round()
+        self.cache.space.begin_round()
         self._plan.clear()
         self.steps += 1
 
@@ -53,24 +54,24 @@ class UlaCacheStore:
             if not torch.equal(pos[pos >= have].sort().values, expect):
                 raise ShapeError(f"request {req}: new positions must append at {have}")
             c.extend(req, new)
-        c.write(c.addresses(req, pos), layer, rows)
+        c.space.write(layer, c.addresses(req, pos), rows)
 
     def read_selected(self, layer: int, reqs: torch.Tensor, topk: torch.Tensor) -> torch.Tensor:
         """``uint8 [n, k, row_bytes]`` rows at top-k positions (zeros at ``-1`` padding)."""
-        c = self.cache
-        gi = c.layer_to_group[layer]
-        group = c.groups[gi]
+        c, space = self.cache, self.cache.space
+        gi = space.layer_to_group[layer]
+        group = space.groups[gi]
         if layer == group.layers[0] or gi not in self._plan:
             addrs = torch.full_like(topk, -1, dtype=torch.int64)
             for r in reqs.unique().tolist():
                 m = reqs == r
                 addrs[m] = c.addresses(r, topk[m].reshape(-1)).view(-1, topk.shape[1])
-            self._plan[gi] = c.access(gi, addrs)
+            self._plan[gi] = space.access(gi, addrs)
         rows = self._plan[gi]
         if rows.shape != topk.shape:
             raise ShapeError(f"layer {layer} reads {tuple(topk.shape)}, its group's plan is "
                              f"{tuple(rows.shape)}")
-        got = c.gpu_rows(layer)[rows.clamp(min=0).long()]
+        got = space.gpu_rows(layer)[rows.clamp(min=0).long()]
         return torch.where((rows >= 0).unsqueeze(-1), got, torch.zeros_like(got))
 
     def free(self, req: int) -> None:

