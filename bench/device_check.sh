@@ -10,6 +10,13 @@
 # Exit code: 0 when tests pass and the bench ran (targets are reported, not enforced),
 # 1 on a test failure, 2 when the bench could not run.
 # Environment: PYTHON (default python3), PYTEST_TIMEOUT (default 170 s), BENCH_TIMEOUT (110 s).
+#
+# The lent H200's image has torch, Triton, CuPy, prometheus_client and hypothesis but not
+# msgspec (the core's config library). Carry its wheel (docs/benchmarks.md, "Device check"):
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#       --implementation cp --platform manylinux_2_17_x86_64 -d .whl msgspec==0.23.0
+# and name .whl in the run's carry; this script installs what it finds there.
 set -uo pipefail
 
 LOGDIR=${1:?usage: bash bench/device_check.sh LOGDIR}
@@ -19,6 +26,17 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO" || exit 2
 PY=${PYTHON:-python3}
 T0=$(date +%s)
+
+# Wheels carried to a machine without a registry (see the header).
+if ls "$REPO"/.whl/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/ulacache-site "$REPO"/.whl/*.whl && \
+        export PYTHONPATH="/tmp/ulacache-site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+if ! "$PY" -c "import msgspec, prometheus_client" >/dev/null 2>&1; then
+    echo "device_check: msgspec or prometheus_client missing; carry their wheels in .whl/" >&2
+    exit 2
+fi
 
 # Make `import ulacache.kernels` work without installing: the package maps
 # ulacache.kernels -> kernels/ and ulacache.patches -> patches/ (pyproject package-dir).

@@ -27,10 +27,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workload import LocalityWorkload  # noqa: E402
 
+from ulacache.pblru import POLICIES  # noqa: E402
 from ulacache.tools.residency import Residency  # noqa: E402
 
 logger = logging.getLogger("pblru_vs_lru")
-POLICIES = ("pblru", "lru")
 
 
 def _median_ms(xs: list[float]) -> float:

@@ -56,10 +56,3 @@ class LocalityWorkload:
         sel = cand[pick].view(self.bs, self.k)
         self.prev = sel
         return (sel + self.base.view(-1, 1)).reshape(-1)
-
-    def resident_set(self, n: int) -> torch.Tensor:
-        """``n`` addresses that a full pool would hold before the first step: the most recent
-        tokens of every request (prefill leaves the tail of each prompt hot)."""
-        per = -(-n // self.bs)
-        pos = self.length.view(-1, 1) - 1 - torch.arange(per).view(1, -1)
-        return (pos + self.base.view(-1, 1)).reshape(-1)[:n]

@@ -242,7 +242,7 @@ def choose_rows_per_warp(pairs: int, vpl: int, swap: bool = False) -> int:
     """Rows per warp for ``pairs`` (row, layer) pairs.
 
     Small launches keep one row per warp (more warps, latency-bound anyway); from 16K pairs up,
-    8 rows per warp keeps the most bytes in flight (h200-measurements.md, second run). The
+    8 rows per warp keeps the most bytes in flight (docs/kernels.md, "Design figures"). The
     register budget caps ``rows * vpl`` (halved for the swap, which buffers both sides).
     """
     if pairs >= 16384:

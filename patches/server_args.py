@@ -182,15 +182,6 @@ class UlaServerArgs(_sglang_server_args.ServerArgs):
         return parse_ulacache_config(self.ulacache_config)
 
 
-def stock_server_args_class() -> type:
-    """SGLang's own ``ServerArgs`` (the base of :class:`UlaServerArgs`).
-
-    Module-level aliases of the stock class are rebound to the replacement by SGLang's hook
-    propagation, so the base is read from the MRO instead.
-    """
-    return UlaServerArgs.__mro__[1]
-
-
 def kv_backend_of(record: Any) -> str:
     """``kv_backend`` of a record or view; ``"default"`` for records without the field."""
     return getattr(record, "kv_backend", "default") or "default"

@@ -306,3 +306,94 @@ def test_prefill_longer_than_gpu_pool_is_refused_not_corrupted():
                                 n) is None
     assert h.alloc.available_size() == before
     h.check()
+
+
+def test_every_core_mutation_is_on_the_producer_stream():
+    """Under SGLang the scheduler calls the allocator and coordinator from its own stream; with
+    the forward stream set as producer, the core issues every mutation on it (a stream-order
+    recorder sees the core stream active at each write into core state)."""
+    from .test_streams import StreamOrderRecorder, core_storages
+
+    h = Harness(True)
+    producer = object()
+    h.coord.set_decode_producer_stream(producer)
+    write_kv = h.write_kv
+
+    def forward_writes(locs):  # SGLang's KV writes run inside the forward (producer stream)
+        with h.pool.core.stream.scope():
+            write_kv(locs)
+
+    h.write_kv = forward_writes
+    rec = StreamOrderRecorder(core_storages(h.pool.core))
+    with rec:
+        h.prefill(1, 200, chunk=100)
+        h.prefill(2, 150, chunk=150)
+        h.coord.collect_ready_reqs()
+        for _ in range(3):
+            h.decode_step([1, 2])
+        h.finish(2, "finish")
+        h.decode_step([1])
+    assert len(rec.writes) > 200
+    off = [op for op, s in rec.writes if s is not producer]
+    assert not off, f"core state mutated off the producer stream: {off[:5]}"
+
+
+def test_shared_layer_before_its_anchor_is_a_stale_read():
+    """A layer sharing its anchor's selection must not get last step's rows: with validate on,
+    running it before the anchor in a step raises (decode and prefill)."""
+    from ulacache.errors import StaleSelectionError
+
+    h = Harness(True)  # groups [0, 1] and [2, 3]
+    h.prefill(1, 200, chunk=200)
+    h.coord.collect_ready_reqs()
+    h.decode_step([1])  # a complete step: anchors then shared layers
+    ri, seq = torch.tensor([1]), torch.tensor([h.lens[1] + 1])
+    out = h.alloc.alloc_decode(seq, seq, h.rtp.req_to_token[1, h.lens[1] - 1].long().view(1))
+    h.rtp.req_to_token[1, h.lens[1]] = out[0]
+    h.lens[1] += 1
+    h.coord.map_last_loc_to_buffer(seq, out, ri, seq, ri)  # a new step starts
+    h.coord.num_real_reqs.fill_(1)
+    topk = torch.arange(K, dtype=torch.int32).view(1, K)
+    with pytest.raises(StaleSelectionError, match="anchor"):
+        h.coord.swap_in_selected_pages(ri, seq, topk, 1)  # layer 1 before layer 0
+    h.coord.swap_in_selected_pages(ri, seq, topk, 0)
+    h.coord.swap_in_selected_pages(ri, seq, topk, 1)  # now fine
+    # prefill: a new round, the shared layer translated before its anchor
+    h.alloc.core.begin_round()
+    table = h.rtp.req_to_token[1, :K].long().view(1, K)
+    with pytest.raises(StaleSelectionError, match="anchor"):
+        h.pool.prefill_rows(3, table)
+    h.pool.prefill_rows(2, table)
+    h.pool.prefill_rows(3, table)
+
+
+def test_prefill_translation_counts_once_per_group():
+    h = Harness(True)  # 4 layers, 2 selection groups of 2
+    h.prefill(1, 120, chunk=120)
+    before = [c["accesses"] for c in h.pool.core.counters()]
+    h.alloc.core.begin_round()
+    table = torch.cat([h.rtp.req_to_token[1, :40].long(), torch.full((8,), -1)]).view(1, -1)
+    for layer in range(L):
+        h.pool.current_layer_id = layer
+        h.pool.translate_loc_to_hisparse_device(table)
+    after = [c["accesses"] for c in h.pool.core.counters()]
+    assert [a - b for a, b in zip(after, before)] == [40, 40]
+
+
+def test_bad_ulacache_config_stops_start_up(monkeypatch):
+    """No fallback to defaults: the key and its legal values are named."""
+    import sglang.srt.runtime_context as rc
+
+    from ulacache.errors import ConfigError
+    from ulacache.patches.classes import sglang_options
+
+    for raw, key in (('{"cpu_ratio": 1.5}', "cpu_ratio"), ('{"validate": "no"}', "validate"),
+                     ('{"policy": "fifo"}', "policy"), ('{"fetch_cap": 4}', "fetch_cap")):
+        monkeypatch.setattr(rc, "get_server_args",
+                            lambda raw=raw: types.SimpleNamespace(ulacache_config=raw))
+        with pytest.raises(ConfigError, match=key) as e:
+            sglang_options()
+        assert "legal" in str(e.value)
+    monkeypatch.setattr(rc, "get_server_args",
+                        lambda: types.SimpleNamespace(ulacache_config='{"cpu_ratio": 2}'))
+    assert sglang_options().cpu_ratio == 2

@@ -63,9 +63,11 @@ class UlaCache:
                  layer_groups: list[list[int]] | None = None):
         self.config = config
         P = config.page_size
-        self.pages = PageAllocator(config.n_logical_pages, P)
+        # the address space first: it refuses sizes the memory cannot hold before the page
+        # list (one Python int per page) is built
         self.space = AddressSpace(config, device, n_logical=config.n_logical_pages * P,
                                   layer_groups=layer_groups)
+        self.pages = PageAllocator(config.n_logical_pages, P)
         self.device = self.space.device
         self.requests: dict[Hashable, RequestState] = {}
         self.reserved_total = 0
@@ -107,6 +109,7 @@ class UlaCache:
         reservation the reservation grows if capacity is free, else :class:`CapacityExhausted`.
         Everything (room in every group included) is checked before anything changes.
         """
+        self._req(rid)  # an unhashable or unknown id is refused before building the batch
         return self.extend_batch({rid: n})[0]
 
     def extend_batch(self, counts: dict[Hashable, int]) -> list[torch.Tensor]:

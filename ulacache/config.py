@@ -47,7 +47,11 @@ def _legal(tp: Any) -> str:
 
 
 class _Checked(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """Base: strict per-field validation on every construction, dict and JSON constructors."""
+    """Base: strict per-field validation on every construction, dict and JSON constructors.
+
+    An unknown keyword in Python construction is a ``TypeError`` naming it (Python's rule for
+    any call); ``from_dict`` and ``from_json`` refuse unknown keys with a :class:`ConfigError`
+    listing the legal ones."""
 
     _what = "ulacache config"
 
@@ -85,12 +89,18 @@ class _Checked(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     def from_json(cls, text: str | bytes | None):
         """Build from a JSON object (``None`` or empty text: the defaults). Strict JSON:
         ``NaN`` and ``Infinity`` are not numbers here."""
-        if text is None or (isinstance(text, (str, bytes)) and not text.strip()):
+        if text is None:
+            return cls()
+        if not isinstance(text, (str, bytes, bytearray)):
+            raise ConfigError(f"{cls._what} must be JSON text, got {type(text).__name__}")
+        if not text.strip():
             return cls()
         try:
             values = msgspec.json.decode(text)
         except msgspec.DecodeError as e:
             raise ConfigError(f"{cls._what} is not valid JSON ({e}): {text!r}") from None
+        if not isinstance(values, dict):
+            raise ConfigError(f"{cls._what} must be a JSON object, got {text!r}")
         return cls.from_dict(values)
 
     def to_dict(self) -> dict[str, Any]:

@@ -140,12 +140,9 @@ class SelectionGroup:
         already-mapped addresses are skipped (``invalid``); a row with no slot, or whose victim
         finds no CPU slot, is not stored (``place_overflow``).
         """
-        flat = self._index_tensor(addrs, "place: addrs")
-        inrange, safe = self._range(flat)
-        fresh = self._first(safe, inrange & (self.loc[safe] < 0))
-        bad = (flat != -1) & ~fresh
+        flat, fresh, bad = self._place_plan(addrs)
         if self._checking():
-            self._validate_place(flat, inrange, safe, fresh, bad)
+            self._validate_place(flat, fresh, bad)
         G = self.gpu_slots
         rank = torch.cumsum(fresh, 0) - 1
         cand = self.policy.victims(flat.numel())
@@ -171,10 +168,23 @@ class SelectionGroup:
         self._count("invalid", bad.sum())
         return slot
 
-    def _validate_place(self, flat, inrange, safe, fresh, bad) -> None:
+    def _place_plan(self, addrs: torch.Tensor):
+        """(flat addresses, first occurrences of unmapped in-range ones, invalid entries)."""
+        flat = self._index_tensor(addrs, "place: addrs")
+        inrange, safe = self._range(flat)
+        fresh = self._first(safe, inrange & (self.loc[safe] < 0))
+        return flat, fresh, (flat != -1) & ~fresh
+
+    def check_place(self, addrs: torch.Tensor) -> None:
+        """Raise what :meth:`place` would raise with validate on, changing nothing (host-side:
+        synchronises)."""
+        self._validate_place(*self._place_plan(addrs))
+
+    def _validate_place(self, flat, fresh, bad) -> None:
         if not bool(bad.any()):
             self.check_place_room(int(fresh.sum()))
             return
+        inrange, safe = self._range(flat)
         if bool(((flat != -1) & ~inrange).any()):
             raise AddressError(f"place: addrs out of range [0, {self.n_logical}) (or negative "
                                "other than the -1 padding)")
@@ -201,28 +211,22 @@ class SelectionGroup:
     def write(self, layer: int, addrs: torch.Tensor, rows: torch.Tensor) -> None:
         """Write ``uint8 [n, row_bytes]`` rows of one ``layer`` (a global layer id of this
         group) for distinct live ``addrs int [n]`` (``-1`` skipped), wherever they live."""
-        self._write(slice(self._li(layer), self._li(layer) + 1), addrs, rows, one_layer=True)
-
-    def write_all(self, addrs: torch.Tensor, rows: torch.Tensor) -> None:
-        """Write ``uint8 [L, n, row_bytes]`` rows of every layer of the group."""
-        self._write(slice(None), addrs, rows, one_layer=False)
-
-    def _write(self, li: slice, addrs: torch.Tensor, rows: torch.Tensor, one_layer: bool) -> None:
+        li = self._li(layer)
         flat = self._index_tensor(addrs, "write: addrs")
-        shape = (flat.numel(), self.pools.row_bytes)
-        want = shape if one_layer else (len(self.layers),) + shape
+        want = (flat.numel(), self.pools.row_bytes)
         if not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8 or \
                 tuple(rows.shape) != want:
             got = f"{rows.dtype} {tuple(rows.shape)}" if isinstance(rows, torch.Tensor) else \
                 type(rows).__name__
             raise ShapeError(f"write: rows must be uint8 {want}, got {got}")
+        if rows.device not in (self.device, torch.device("cpu")):
+            raise ShapeError(f"write: rows must be on {self.device} or the CPU, got {rows.device}")
         phys = self._resolve(flat, "write")
-        rows3 = rows.unsqueeze(0) if one_layer else rows
         G = self.gpu_slots
         gidx = torch.where((phys >= 0) & (phys < G), phys, G)
-        self.pools.gpu[li].index_copy_(1, gidx, rows3.to(self.device))
+        self.pools.gpu[li].index_copy_(0, gidx, rows.to(self.device))
         cidx = torch.where(phys >= G, phys - G, self.cpu_slots).to(self.pools.cpu.device)
-        self.pools.cpu[li].index_copy_(1, cidx, rows3.to(self.pools.cpu.device))
+        self.pools.cpu[li].index_copy_(0, cidx, rows.to(self.pools.cpu.device))
 
     def read(self, layer: int, addrs: torch.Tensor) -> torch.Tensor:
         """Rows of distinct live addresses, from whichever tier holds them: ``uint8 [n,

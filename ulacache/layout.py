@@ -42,7 +42,6 @@ def fp8_row_bytes(kv_lora_rank: int = 512, rope_dim: int = 64, block: int = 128)
 
 FP8_ROW_BYTES = fp8_row_bytes()  # 656
 BF16_ROW_BYTES = bf16_row_bytes()  # 1152
-INDEX_K_ROW_BYTES = 128 + SCALE_BYTES  # 132, never tiered
 TINY_ROW_BYTES = 16
 
 

@@ -32,7 +32,7 @@ def resolve_device(device: torch.device | str) -> torch.device:
     return device
 
 
-def _free_bytes(device: torch.device) -> int | None:
+def free_bytes(device: torch.device) -> int | None:
     """Memory that an allocation on ``device`` can still take (``None``: unknown)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
@@ -58,7 +58,7 @@ def allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, w
     for d in shape:
         nbytes *= d
     host = pinned or device.type != "cuda"
-    avail = _free_bytes(torch.device("cpu") if host else device)
+    avail = free_bytes(torch.device("cpu") if host else device)
     if avail is not None and nbytes > avail:
         raise CapacityExhausted(f"{what} needs {nbytes / 2**30:.2f} GiB ({tuple(shape)} "
                                 f"{dtype}) but only {avail / 2**30:.2f} GiB of "

@@ -21,10 +21,10 @@ import logging
 import torch
 
 from .config import UlaCacheConfig
-from .errors import ShapeError
+from .errors import CapacityExhausted, ShapeError
 from .group import SelectionGroup
 from .health import CounterMonitor
-from .pools import resolve_device
+from .pools import free_bytes, resolve_device
 from .streams import CoreStream
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ class AddressSpace:
                              f"{config.n_layers} layers into non-empty groups")
         if gpu_storage is not None and len(gpu_storage) != len(layer_groups):
             raise ShapeError("gpu_storage needs one tensor per layer group")
+        self._check_memory(layer_groups, engine_pools=gpu_storage is not None)
         self.groups = [
             SelectionGroup(layers, n_logical, config.gpu_slots, config.cpu_slots,
                            config.row_layout.row_bytes, self.device, config.policy,
@@ -74,6 +75,32 @@ class AddressSpace:
                     "%d B per layer, %d logical addresses, policy %s", len(self.groups),
                     config.n_layers, config.gpu_slots, config.cpu_slots,
                     config.row_layout.row_bytes, n_logical, config.policy)
+
+    def _check_memory(self, layer_groups: list[list[int]], engine_pools: bool) -> None:
+        """Refuse, before allocating anything, a configuration whose pools and tables together
+        exceed the free device or host memory (each allocation is checked again on its own)."""
+        c, n = self.config, self.n_logical
+        rb, G, C = c.row_layout.row_bytes, c.gpu_slots, c.cpu_slots
+        layers = sum(len(g) for g in layer_groups)
+        groups = len(layer_groups)
+        cpu = torch.device("cpu")
+        parts = {  # (device, what) -> bytes
+            (self.device, "the GPU pool"): 0 if engine_pools else layers * (G + 1) * rb,
+            (cpu, "the CPU pool"): layers * (C + 1) * rb,
+            (self.device, "the mapping tables"): groups * 8 * (2 * (n + 1) + 3 * (G + 1)
+                                                              + 2 * (C + 1)),
+            (self.device, "the policy state"): groups * (c.n_buckets + 3) * (G // 63 + 32) * 12,
+        }
+        for dev in {self.device, cpu}:
+            mine = {what: b for (d, what), b in parts.items() if d == dev and b}
+            need, avail = sum(mine.values()), free_bytes(dev)
+            if avail is not None and need > avail:
+                detail = ", ".join(f"{what} {b / 2**30:.2f} GiB" for what, b in mine.items())
+                raise CapacityExhausted(
+                    f"this configuration needs {need / 2**30:.2f} GiB of {dev} memory ({detail};"
+                    f" {layers} layers x {G} GPU + {C} CPU slots of {rb} B, {n} addresses) but "
+                    f"{avail / 2**30:.2f} GiB is available; lower gpu_slots / cpu_slots / the "
+                    "layer count")
 
     @property
     def validate(self) -> bool:
@@ -105,11 +132,13 @@ class AddressSpace:
         return g.pools.gpu[g.layer_index[layer]]
 
     def _addrs(self, addrs: torch.Tensor, name: str) -> torch.Tensor:
-        """Integer address tensors only (bool and float are refused, not truncated), moved to
-        the device (host tensors are fine for control-plane calls)."""
+        """Integer address tensors only (bool and float are refused, not truncated), on the
+        device or in host memory (fine for control-plane calls), moved to the device."""
         if not isinstance(addrs, torch.Tensor) or addrs.dtype not in (torch.int32, torch.int64):
             got = addrs.dtype if isinstance(addrs, torch.Tensor) else type(addrs).__name__
             raise ShapeError(f"{name} must be an int32/int64 tensor, got {got}")
+        if addrs.device not in (self.device, torch.device("cpu")):
+            raise ShapeError(f"{name} must be on {self.device} or the CPU, got {addrs.device}")
         return addrs.to(self.device)
 
     # -- rounds ---------------------------------------------------------------------------
@@ -134,8 +163,9 @@ class AddressSpace:
         off, overflow is masked and counted (see :mod:`ulacache.group`)."""
         addrs = self._addrs(addrs, "place: addrs").reshape(-1)
         with self.stream.scope():
-            if self.validate:  # room in every group before any group changes
-                self.check_room(int((addrs >= 0).sum()))
+            if self.validate:  # every group accepts before any group changes
+                for g in self.groups:
+                    g.check_place(addrs)
             slots = [g.place(addrs) for g in self.groups]
         return slots[0]
 

@@ -1,6 +1,6 @@
 """Packing of MLA latent KV rows into the byte layouts the attention kernels read.
 
-Two layouts exist (model geometry and row formats: anchors.md B2):
+Two layouts exist (sizes from :mod:`ulacache.layout`, the one place they are defined):
 
 - **bf16**: the ``kv_lora_rank + rope_dim`` latent (576 dims for the real models) stored as bf16,
   i.e. 1152 bytes per row. ``pack_bf16``/``unpack_bf16`` are pure reinterpretations.

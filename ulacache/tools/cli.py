@@ -83,8 +83,10 @@ def _replay(args: argparse.Namespace) -> int:
     layers = _spread(args.layers, trace.layers, "--layers", path)
     if args.steps > trace.steps:
         raise CliError(f"--steps {args.steps} exceeds the {trace.steps} steps of trace {path}")
+    from ulacache.pblru import POLICIES
+
     results = []
-    for policy in ("pblru", "lru"):
+    for policy in POLICIES:  # every registered policy, on the same selections
         t0 = time.perf_counter()
         results.append(replay(trace, requests=args.requests, steps=args.steps, layers=layers,
                               gpu_slots=args.gpu_slots, cpu_slots=args.cpu_slots,

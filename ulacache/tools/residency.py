@@ -31,7 +31,6 @@ class SimResult:
 
     accesses: int = 0  # distinct selected rows
     hits: int = 0
-    promotions: int = 0
     overflow: int = 0  # selected rows that found no GPU slot
     steps: int = 0
     step_seconds: list[float] = field(default_factory=list)  # per step
@@ -110,7 +109,6 @@ class Residency:
         r.steps += 1
         r.accesses += d["accesses"]
         r.hits += d["gpu_hits"]
-        r.promotions += d["promotions"]
         r.overflow += d["access_overflow"]
         r.step_seconds.append(t1 - t0)
         r.policy_seconds.append(self.clock.seconds - p0)

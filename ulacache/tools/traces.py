@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ulacache.pblru import POLICIES
+
 logger = logging.getLogger(__name__)
 
 FORMAT_NAME = "ulacache-selection-trace"
@@ -48,7 +50,7 @@ SCORE_METHOD = (
     "selected (one selection per layer per step, shared by all heads), sorted ascending"
 )
 DEFAULT_POOL_SIZES = (128, 256, 512, 1024)
-DEFAULT_POLICIES = ("lru", "pblru")
+DEFAULT_POLICIES = tuple(sorted(POLICIES))  # every registered policy
 
 
 class TraceFormatError(ValueError):
