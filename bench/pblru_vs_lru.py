@@ -1,7 +1,7 @@
 """Scheduling time per decode step: PB-LRU vs exact LRU under replacement pressure.
 
 Both policies run side by side on the same selection stream (``bench/workload.py``: batch 64 x
-top-k 2048 with temporal locality), over GPU pools of 2^16 .. 2^22 slots that start full (the
+top-k 2048 with temporal locality), over GPU pools of 2^18 .. 2^22 slots that start full (the
 history is placed first, so the pool holds the tail of every request). Each step runs what a
 serving engine runs for one selection group, through the real core
 (:class:`ulacache.tools.residency.Residency`: a selection group with zero-byte rows): a new
@@ -65,7 +65,8 @@ def run_size(slots: int, args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default="16,18,20,22", help="log2 pool sizes (comma list)")
+    ap.add_argument("--sizes", default="18,19,20,21,22",
+                    help="log2 pool sizes (comma list); one step (batch x top-k) must fit")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--history", type=int, default=131072, help="tokens per request")

@@ -24,3 +24,17 @@ def test_pblru_vs_lru_json_contract():
         for p in ("pblru", "lru"):
             assert r[f"{p}_ms_per_step"] >= r[f"{p}_policy_ms_per_step"] > 0
             assert 0 < r[f"{p}_hit_rate"] < 1 and r[f"{p}_misses"] > 0
+
+
+def test_trace_misses_json_contract():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "trace_misses.py"),
+         str(ROOT / "tests" / "fixtures" / "typing-py-1024-k64.trace.npz"), "--layers", "0",
+         "--sizes", "512", "--json"],
+        capture_output=True, text=True, check=True, timeout=300)
+    res = json.loads(out.stdout)
+    assert res["layers"] == [0]
+    misses = {v: by["512"] for v, by in res["misses"].items()}
+    assert set(misses) == {"lru", "pblru", "pblru_per_round"}
+    # the recorded figures of docs/benchmarks.md for this layer
+    assert misses == {"lru": 54, "pblru": 55, "pblru_per_round": 181}

@@ -197,24 +197,29 @@ def test_misses_that_exactly_fill_the_free_room_are_served():
 
 def test_last_logical_address_is_live_in_an_engine_owned_space():
     """The address next to the scratch entry keeps its row through place, write, spill,
-    promotion and release (an off-by-one in the scratch entry would lose it)."""
+    promotion and release, in calls full of masked entries (padding, hits) that write to the
+    scratch entry: an off-by-one there would clobber the last address's mapping."""
     n = 20
     s = make_space(n, gpu_slots=4, cpu_slots=16)
+    g = s.groups[0]
     last = torch.tensor([n - 1])
     s.begin_round()
-    s.place(last)
+    s.place(torch.tensor([-1, n - 1, -1]))
     fill(s, last, version=3)
-    for chunk in (torch.arange(0, 4), torch.arange(4, 8)):  # spill it to the CPU tier
-        s.begin_round()
+    for chunk in (torch.tensor([0, 1, -1, 2, 3]), torch.tensor([4, -1, 5, 6, 7])):
+        s.begin_round()  # spills it to the CPU tier
         s.place(chunk)
-        fill(s, chunk)
-    g = s.groups[0]
+        fill(s, chunk[chunk >= 0])
     assert int(g.loc[n - 1]) >= g.gpu_slots and int(g.loc[n]) == -1
-    s.begin_round()
-    rows = s.access(0, last.view(1, 1))
-    assert int(rows) >= 0 and int(g.loc[n]) == -1
-    assert torch.equal(s.read(0, last), row_bytes_for(last, 0, 3, RB))
-    s.check_integrity()
+    for sel in ([[5, n - 1, -1, 6]], [[n - 1, 7, -1, -1]], [[0, -1, 1, 2]]):
+        s.begin_round()
+        rows = s.access(0, torch.tensor(sel))
+        assert int(g.loc[n]) == -1 and int(g.loc[n - 1]) >= 0
+        assert bool((rows[torch.tensor(sel) >= 0] >= 0).all())
+        assert torch.equal(s.read(0, last), row_bytes_for(last, 0, 3, RB))
+        s.check_integrity()
+    s.release(torch.tensor([-1, 3, -1]))
+    assert torch.equal(s.read(1, last), row_bytes_for(last, 1, 3, RB))
     s.release(last)
     assert int(g.loc[n - 1]) == -1 and int(g.loc[n]) == -1
     s.check_integrity()

@@ -62,14 +62,16 @@ class SelectionGroup:
         empty for a residency-only group (policy simulations: no bytes move).
     n_logical : size of the logical address space (addresses ``[0, n_logical)``).
     gpu_slots, cpu_slots, row_bytes : pool geometry.
-    policy : a name registered in :data:`ulacache.pblru.POLICIES`.
+    policy : a name registered in :data:`ulacache.pblru.POLICIES`, or a policy instance over
+        ``gpu_slots`` slots on ``device`` (policy studies).
     validate : host-side value checks (they synchronise the device) outside graph capture.
     gpu_storage : optional engine-owned ``uint8 [L, gpu_slots + 1, row_bytes]`` GPU pool (e.g.
         a view of SGLang's ``kv_buffer`` rows); allocated here when absent.
     """
 
     def __init__(self, layers: list[int], n_logical: int, gpu_slots: int, cpu_slots: int,
-                 row_bytes: int, device: torch.device | str = "cpu", policy: str = "pblru",
+                 row_bytes: int, device: torch.device | str = "cpu",
+                 policy: str | ReplacementPolicy = "pblru",
                  n_buckets: int = 64, validate: bool = True,
                  gpu_storage: torch.Tensor | None = None):
         self.device = resolve_device(device)
@@ -79,7 +81,13 @@ class SelectionGroup:
         self.validate = validate
         self.pools = TierPools(len(layers), gpu_slots, cpu_slots, row_bytes, self.device,
                                gpu_storage)
-        self.policy: ReplacementPolicy = make_policy(policy, gpu_slots, n_buckets, self.device)
+        if isinstance(policy, ReplacementPolicy):
+            if policy.n_slots != gpu_slots or policy.device != self.device:
+                raise ShapeError(f"policy covers {policy.n_slots} slots on {policy.device}; "
+                                 f"the group has {gpu_slots} on {self.device}")
+            self.policy = policy
+        else:
+            self.policy = make_policy(policy, gpu_slots, n_buckets, self.device)
         table = (n_logical + 1,)
         self.loc = allocate(table, torch.int64, self.device, "the mapping table", fill=-1)
         self.gpu_owner = torch.full((gpu_slots + 1,), -1, dtype=torch.int64, device=self.device)
@@ -387,7 +395,8 @@ class SelectionGroup:
 
     # -- invariants -----------------------------------------------------------------------
     def check_integrity(self, live: torch.Tensor | None = None) -> None:
-        """Assert design invariants 1 and 4 (host-side; not for the decode path).
+        """Assert design invariant 1 and the policy's own consistency (host-side; not for the
+        decode path).
 
         ``live``: optional ``bool [n_logical]`` of allocated addresses; mapped addresses must be
         live.

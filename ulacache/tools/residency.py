@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ulacache.group import COUNTERS, SelectionGroup
-from ulacache.pblru import ReplacementPolicy
+from ulacache.pblru import PBLRU, ReplacementPolicy
 
 _TIMED = ("touch", "victims", "advance", "release", "eligible")
 
@@ -69,7 +69,11 @@ class Residency:
     for lack of CPU room). ``validate`` is off, as in serving."""
 
     def __init__(self, policy: str, gpu_slots: int, n_logical: int, n_buckets: int = 64,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", bucket_fill: int | None = None):
+        if bucket_fill is not None:  # PB-LRU with another epoch pacing (0: one per round)
+            if policy != "pblru":
+                raise ValueError("bucket_fill is a PB-LRU setting")
+            policy = PBLRU(gpu_slots, n_buckets, device, bucket_fill=bucket_fill)
         self.group = SelectionGroup([], n_logical, gpu_slots, n_logical, 16, device, policy,
                                     n_buckets, validate=False)
         self.clock = _PolicyClock(self.group.policy)
@@ -115,12 +119,13 @@ class Residency:
 
 
 def simulate_trace(selections: Iterable[torch.Tensor], positions: Iterable[int], policy: str,
-                   gpu_slots: int, n_tokens: int, n_buckets: int = 64) -> SimResult:
+                   gpu_slots: int, n_tokens: int, n_buckets: int = 64,
+                   bucket_fill: int | None = None) -> SimResult:
     """One request decoding a recorded trace: the prompt before the first step is placed,
     then each step places its query token and accesses that step's selections
-    (``int [k]``, ``-1`` padded)."""
+    (``int [k]``, ``-1`` padded). ``bucket_fill``: see :class:`Residency`."""
     positions = list(positions)
-    sim = Residency(policy, gpu_slots, n_tokens, n_buckets)
+    sim = Residency(policy, gpu_slots, n_tokens, n_buckets, bucket_fill=bucket_fill)
     if positions and positions[0] > 0:
         sim.place(torch.arange(positions[0]))
     for pos, sel in zip(positions, selections):
