@@ -5,9 +5,11 @@ from __future__ import annotations
 import copy
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ulacache.cache import UlaCache
 from ulacache.space import AddressSpace
+from ulacache.streams import active_stream
 
 
 def row_bytes_for(addrs: torch.Tensor, layer: int, version: int, row_bytes: int) -> torch.Tensor:
@@ -67,3 +69,27 @@ def assert_same(a: dict, b: dict) -> None:
             assert torch.equal(a[k], b[k]), f"state {k} changed"
         else:
             assert a[k] == b[k], f"state {k} changed"
+
+
+class WriteLog(TorchDispatchMode):
+    """Records every tensor an op writes, in issue order, as ``(op, storage pointer, active core
+    stream)`` (for data-then-map order and stream-order checks); ``on_write(ptr)`` runs after
+    each such write."""
+
+    def __init__(self, on_write=None):
+        super().__init__()
+        self.events: list[tuple[str, int, object]] = []
+        self.on_write = on_write
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        for i, a in enumerate(func._schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                t = args[i] if i < len(args) else kwargs.get(a.name)
+                if isinstance(t, torch.Tensor):
+                    ptr = t.untyped_storage().data_ptr()
+                    self.events.append((str(func.overloadpacket), ptr, active_stream()))
+                    if self.on_write:
+                        self.on_write(ptr)
+        return out

@@ -57,8 +57,7 @@ MUTANTS = [  # (file, original, mutant, what it models)
     (G, "drop = first & mapped", "drop = mapped", "release drops a duplicate twice"),
     (G, "rows = torch.where(valid & (rows >= 0) & (rows < G), rows, -1)",
      "rows = torch.where(valid & (rows >= 0), rows, -1)", "CPU slots returned as GPU rows"),
-    (G, "        self._count(\"place_overflow\", (fresh & ~ok).sum())\n", "",
-     "placement overflow not counted"),
+    (G, "place_overflow=(fresh & ~ok).sum(),", "", "placement overflow not counted"),
     (P, "        self.entered.add_((move if assigned else move & (old <= 1)).sum())\n", "",
      "PB-LRU turnover never counted"),
 ]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ulacache.address import PageAllocator, addresses_of, local_position, owner_rank
 from ulacache.cache import UlaCache
@@ -21,7 +20,7 @@ from ulacache.errors import (
 from ulacache.layout import RowLayout
 from ulacache.space import AddressSpace
 
-from .helpers import assert_same, fill, grow, row_bytes_for, snapshot
+from .helpers import WriteLog, assert_same, fill, grow, row_bytes_for, snapshot
 
 RB = 16
 
@@ -338,28 +337,6 @@ def test_counters_and_bytes_match_an_independent_count():
     assert f'ulacache_promotions_total{{group="0"}} {float(exp["promotions"])}' in text
 
 
-class WriteLog(TorchDispatchMode):
-    """Records (op, storage pointer) of every tensor an op mutates, in issue order."""
-
-    def __init__(self, on_write=None):
-        super().__init__()
-        self.events: list[tuple[str, int]] = []
-        self.on_write = on_write
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        for i, a in enumerate(func._schema.arguments):
-            if a.alias_info is not None and a.alias_info.is_write:
-                t = args[i] if i < len(args) else kwargs.get(a.name)
-                if isinstance(t, torch.Tensor):
-                    ptr = t.untyped_storage().data_ptr()
-                    self.events.append((str(func), ptr))
-                    if self.on_write:
-                        self.on_write(ptr)
-        return out
-
-
 def test_data_then_map_order():
     """Every copy into the pools is issued before the first mapping write, and a reader that
     observes a changed mapping entry reads the new data there (invariant 3)."""
@@ -391,7 +368,7 @@ def test_data_then_map_order():
 
     def kinds_of(log: WriteLog) -> list[str]:
         return ["pool" if p in pool_ptrs else "map" if p == loc_ptr else "other"
-                for _, p in log.events]
+                for _, p, _ in log.events]
 
     c.space.begin_round()
     cold = addrs[:12].view(2, 6)  # mostly CPU-resident by now

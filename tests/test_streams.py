@@ -12,35 +12,25 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ulacache.config import UlaCacheConfig
 from ulacache.space import AddressSpace
-from ulacache.streams import active_stream
 
-from .helpers import fill, row_bytes_for
+from .helpers import WriteLog, fill, row_bytes_for
 
 RB = 16
 
 
-class StreamOrderRecorder(TorchDispatchMode):
-    """Logs (op, active core stream) for every op that writes into one of ``storages``."""
+class StreamOrderRecorder(WriteLog):
+    """Logs ``(op, active core stream)`` for every op that writes into one of ``storages``."""
 
     def __init__(self, storages: set[int]):
         super().__init__()
         self.storages = storages
-        self.writes: list[tuple[str, object]] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        for i, a in enumerate(func._schema.arguments):
-            if a.alias_info is not None and a.alias_info.is_write:
-                t = args[i] if i < len(args) else kwargs.get(a.name)
-                if isinstance(t, torch.Tensor) and \
-                        t.untyped_storage().data_ptr() in self.storages:
-                    self.writes.append((str(func.overloadpacket), active_stream()))
-        return out
+    @property
+    def writes(self) -> list[tuple[str, object]]:
+        return [(op, stream) for op, ptr, stream in self.events if ptr in self.storages]
 
 
 def core_storages(space: AddressSpace) -> set[int]:

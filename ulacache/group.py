@@ -36,12 +36,13 @@ from .pools import TierPools, allocate, resolve_device
 from .streams import capturing
 
 COUNTERS = ("accesses", "gpu_hits", "promotions", "writebacks", "placed", "spills",
-            "access_overflow", "place_overflow", "invalid")
+            "released_gpu", "released_cpu", "access_overflow", "place_overflow", "invalid")
 """Slots of :attr:`SelectionGroup.counters` (device ``int64``, read outside the decode path):
 
 - ``accesses``: distinct selected rows per step; ``gpu_hits``: those already on the GPU;
 - ``promotions``: rows copied CPU -> GPU; ``writebacks``: victims copied GPU -> CPU by them;
 - ``placed``: new rows given a GPU slot; ``spills``: victims copied GPU -> CPU to make room;
+- ``released_gpu`` / ``released_cpu``: rows dropped by ``release`` from each tier;
 - ``access_overflow``: selected rows left on the CPU (served as padding: no GPU slot);
 - ``place_overflow``: new rows not stored (no GPU slot, or no CPU slot for the victim);
 - ``invalid``: masked bad entries (validate off): out-of-range or non-live selections,
@@ -49,6 +50,16 @@ COUNTERS = ("accesses", "gpu_hits", "promotions", "writebacks", "placed", "spill
   ``release``.
 """
 OVERFLOWS = ("access_overflow", "place_overflow", "invalid")
+
+
+def occupancy(c: dict[str, int]) -> tuple[int, int]:
+    """(GPU, CPU) slots holding a row, derived from a group's counters: a placement fills a
+    GPU slot unless it spilled the victim; a promotion fills one unless it swapped with a
+    victim (and frees the CPU slot it left); a release frees its tier. So the occupancy needs
+    no device work of its own (``check_integrity`` asserts the identity)."""
+    into_free = c["promotions"] - c["writebacks"]
+    gpu = c["placed"] - c["spills"] + into_free - c["released_gpu"]
+    return gpu, c["spills"] - into_free - c["released_cpu"]
 
 _NO_CLAIM = torch.iinfo(torch.int64).max
 
@@ -67,13 +78,15 @@ class SelectionGroup:
     validate : host-side value checks (they synchronise the device) outside graph capture.
     gpu_storage : optional engine-owned ``uint8 [L, gpu_slots + 1, row_bytes]`` GPU pool (e.g.
         a view of SGLang's ``kv_buffer`` rows); allocated here when absent.
+    counters : optional ``int64 [len(COUNTERS)]`` view to count into (the address space keeps
+        every group's counters in one table, read off the device in one copy).
     """
 
     def __init__(self, layers: list[int], n_logical: int, gpu_slots: int, cpu_slots: int,
                  row_bytes: int, device: torch.device | str = "cpu",
                  policy: str | ReplacementPolicy = "pblru",
                  n_buckets: int = 64, validate: bool = True,
-                 gpu_storage: torch.Tensor | None = None):
+                 gpu_storage: torch.Tensor | None = None, counters: torch.Tensor | None = None):
         self.device = resolve_device(device)
         self.layers = list(layers)
         self.layer_index = {layer: i for i, layer in enumerate(self.layers)}
@@ -96,11 +109,18 @@ class SelectionGroup:
         # Dedup of one call's addresses: claim[t] = first position naming t (reset after use).
         self._claim = allocate(table, torch.int64, self.device, "the claim table",
                                fill=_NO_CLAIM)
-        self.counters = torch.zeros(len(COUNTERS), dtype=torch.int64, device=self.device)
+        if counters is None:
+            counters = torch.zeros(len(COUNTERS), dtype=torch.int64, device=self.device)
+        elif counters.shape != (len(COUNTERS),) or counters.dtype != torch.int64 or \
+                counters.device != self.device:
+            raise ShapeError(f"counters must be int64 [{len(COUNTERS)}] on {self.device}")
+        self.counters = counters
 
     # -- helpers --------------------------------------------------------------------------
-    def _count(self, name: str, value: torch.Tensor) -> None:
-        self.counters[COUNTERS.index(name)] += value
+    def _count(self, **values: torch.Tensor) -> None:
+        """Add 0-dim counts to the named counters: one stack and one add, however many."""
+        zero = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.counters.add_(torch.stack([values.get(n, zero) for n in COUNTERS]))
 
     def counter_values(self) -> dict[str, int]:
         return dict(zip(COUNTERS, self.counters.tolist()))
@@ -170,10 +190,8 @@ class SelectionGroup:
         self.gpu_owner.index_put_((torch.where(ok, slot, G),), torch.where(ok, flat, -1))
         self.loc.index_put_((torch.where(ok, flat, self.n_logical),), slot)
         self.policy.assign(slot)
-        self._count("placed", ok.sum())
-        self._count("spills", spill.sum())
-        self._count("place_overflow", (fresh & ~ok).sum())
-        self._count("invalid", bad.sum())
+        self._count(placed=ok.sum(), spills=spill.sum(), place_overflow=(fresh & ~ok).sum(),
+                    invalid=bad.sum())
         return slot
 
     def _place_plan(self, addrs: torch.Tensor):
@@ -329,12 +347,9 @@ class SelectionGroup:
                                   torch.where(owned, owner, -1))
         self.pools.push_cpu(torch.where(ok & ~owned, cslot, -1))
         self.policy.assign(victim)
-        self._count("accesses", first.sum())
-        self._count("gpu_hits", hit.sum())
-        self._count("promotions", ok.sum())
-        self._count("writebacks", owned.sum())
-        self._count("access_overflow", (miss & ~ok).sum())
-        self._count("invalid", bad.sum())
+        self._count(accesses=first.sum(), gpu_hits=hit.sum(), promotions=ok.sum(),
+                    writebacks=owned.sum(), access_overflow=(miss & ~ok).sum(),
+                    invalid=bad.sum())
         rows = self.loc[safe]
         rows = torch.where(valid & (rows >= 0) & (rows < G), rows, -1).view(addrs.shape)
         if out is None:
@@ -391,7 +406,7 @@ class SelectionGroup:
                                   torch.full_like(cslot, -1))
         self.policy.release(gslot)
         self.pools.push_cpu(cslot)
-        self._count("invalid", bad.sum())
+        self._count(released_gpu=on_gpu.sum(), released_cpu=on_cpu.sum(), invalid=bad.sum())
 
     # -- invariants -----------------------------------------------------------------------
     def check_integrity(self, live: torch.Tensor | None = None) -> None:
@@ -436,3 +451,6 @@ class SelectionGroup:
         self.policy.check_integrity()
         assert bool((self._claim == _NO_CLAIM).all()), "claim table dirty"
         assert bool((self.counters >= 0).all()), "negative counter"
+        assert occupancy(self.counter_values()) == (int((exp_g >= 0).sum()),
+                                                    int((exp_c >= 0).sum())), \
+            "occupancy derived from the counters disagrees with the pools"

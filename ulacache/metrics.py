@@ -22,6 +22,8 @@ HELP = {
     "writebacks": "victim rows written back GPU -> CPU during promotions",
     "placed": "new rows given a GPU slot",
     "spills": "rows spilled GPU -> CPU to make room for new rows",
+    "released_gpu": "rows dropped from the GPU pool (finished or aborted requests)",
+    "released_cpu": "rows dropped from the CPU pool (finished or aborted requests)",
     "access_overflow": "selected rows served as padding: no GPU slot could take them (must be 0)",
     "place_overflow": "new rows not stored: no GPU slot, or no CPU slot for the victim (must be 0)",
     "invalid": "masked invalid addresses (validate off; must be 0)",

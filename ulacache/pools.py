@@ -142,10 +142,6 @@ class TierPools:
         self.cpu_free.index_put_((pos,), torch.where(put, slots, self.cpu_slots))
         self.cpu_top.add_(put.sum())
 
-    def cpu_used(self) -> torch.Tensor:
-        """0-dim ``int64``: CPU slots holding a row (device-side, no sync)."""
-        return self.cpu_slots - self.cpu_top
-
     def cpu_free_set(self) -> torch.Tensor:
         """The free CPU slots (host-side, for integrity checks)."""
         return self.cpu_free[: int(self.cpu_top)]

@@ -22,7 +22,7 @@ import torch
 
 from .config import UlaCacheConfig
 from .errors import CapacityExhausted, ShapeError
-from .group import SelectionGroup
+from .group import COUNTERS, SelectionGroup
 from .health import CounterMonitor
 from .pools import free_bytes, resolve_device
 from .streams import CoreStream
@@ -60,16 +60,20 @@ class AddressSpace:
         if gpu_storage is not None and len(gpu_storage) != len(layer_groups):
             raise ShapeError("gpu_storage needs one tensor per layer group")
         self._check_memory(layer_groups, engine_pools=gpu_storage is not None)
+        # every group counts into its row of one table: one copy takes them all off the device
+        self.counter_table = torch.zeros(len(layer_groups), len(COUNTERS), dtype=torch.int64,
+                                         device=self.device)
         self.groups = [
             SelectionGroup(layers, n_logical, config.gpu_slots, config.cpu_slots,
                            config.row_layout.row_bytes, self.device, config.policy,
                            config.n_buckets, config.validate,
-                           None if gpu_storage is None else gpu_storage[i])
+                           None if gpu_storage is None else gpu_storage[i],
+                           counters=self.counter_table[i])
             for i, layers in enumerate(layer_groups)
         ]
         self.layer_to_group = {layer: gi for gi, g in enumerate(self.groups) for layer in g.layers}
         self.stream = CoreStream(self.device)
-        self.health = CounterMonitor(self.groups, self.device)
+        self.health = CounterMonitor(self.counter_table)
         self.round_serial = 0  # host count of begin_round calls (stale-selection checks)
         logger.info("ulacache: %d selection group(s) over %d layers, %d GPU + %d CPU slots of "
                     "%d B per layer, %d logical addresses, policy %s", len(self.groups),
@@ -206,7 +210,7 @@ class AddressSpace:
     # -- observability and invariants ------------------------------------------------------
     def counters(self) -> list[dict[str, int]]:
         """Current counters of every group (host read: synchronises)."""
-        return [g.counter_values() for g in self.groups]
+        return [dict(zip(COUNTERS, row)) for row in self.counter_table.tolist()]
 
     def check_integrity(self, live: torch.Tensor | None = None) -> None:
         """Assert every group's invariants; ``live`` (``bool [n_logical]``): the addresses the

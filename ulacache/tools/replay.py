@@ -24,7 +24,7 @@ import torch
 from ulacache.cache import UlaCache
 from ulacache.config import UlaCacheConfig
 
-from .residency import _PolicyClock
+from .residency import PolicyClock
 from .traces import Trace
 
 logger = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ def replay(trace: Trace, *, requests: int = 4, steps: int = 256, layers: list[in
             cache.extend(r, n)
             done += n
     base = cache.stats()
-    clocks = [_PolicyClock(g.policy) for g in space.groups]
+    clocks = [PolicyClock(g.policy) for g in space.groups]
     sel = torch.from_numpy(trace.selections[layers]).to(torch.int64)  # [groups, steps, k]
     it = range(steps)
     if progress:

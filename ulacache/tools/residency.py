@@ -45,7 +45,7 @@ class SimResult:
         return self.hits / max(1, self.accesses)
 
 
-class _PolicyClock:
+class PolicyClock:
     """Accumulates the wall time of a policy's own calls (instance-level wrappers)."""
 
     def __init__(self, policy: ReplacementPolicy):
@@ -76,7 +76,7 @@ class Residency:
             policy = PBLRU(gpu_slots, n_buckets, device, bucket_fill=bucket_fill)
         self.group = SelectionGroup([], n_logical, gpu_slots, n_logical, 16, device, policy,
                                     n_buckets, validate=False)
-        self.clock = _PolicyClock(self.group.policy)
+        self.clock = PolicyClock(self.group.policy)
         self.result = SimResult()
 
     @property
