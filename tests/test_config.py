@@ -53,7 +53,7 @@ ENUMS = [
     (SGLangOptions, "policy", tuple(POLICIES)),
     (SGLangOptions, "mode", ("dp",)),
 ]
-REMOVED_KNOBS = ["fetch_cap", "buffer_slots", "max_batch", "top_k", "tp_size"]
+REMOVED_KNOBS = ["fetch_cap", "max_batch", "top_k"]
 
 # Values no integer key accepts, whatever its range (``None`` is legal only for row_bytes).
 NOT_INTS = [1.5, 1.0, 100.0, True, False, "100", "1", math.inf, -math.inf, math.nan, [1], {"v": 1},
@@ -391,3 +391,22 @@ def test_huge_sizes_are_refused_before_allocating(make, pool):
 def test_huge_request_ledger_is_refused_before_allocating(config):
     with address_space_limit(512 << 20), pytest.raises(CapacityExhausted):
         UlaCache(config)
+
+
+# -- TP mode keys ------------------------------------------------------------------------------
+@pytest.mark.parametrize("route", routes(UlaCacheConfig))
+def test_tp_keys_are_checked_together(route):
+    refused(UlaCacheConfig, route, {"tp_size": 2}, "'buffer_slots'", ">= 1")
+    refused(UlaCacheConfig, route, {"buffer_slots": 8}, "'buffer_slots'", "only for TP")
+    refused(UlaCacheConfig, route, {"tp_size": 4, "buffer_slots": 8, "page_size": 6},
+            "'tp_size'", "'page_size'")
+    for bad in (0, 9, -1):
+        refused(UlaCacheConfig, route, {"tp_size": bad, "buffer_slots": 8}, "tp_size")
+    refused(UlaCacheConfig, route, {"tp_size": 2, "buffer_slots": -1}, "buffer_slots")
+    refused(UlaCacheConfig, route, {"tp_size": 2, "buffer_slots": 8, "shard_indexer": 1},
+            "shard_indexer")
+    c = build(UlaCacheConfig, route, {"tp_size": 4, "buffer_slots": 8, "gpu_slots": 10,
+                                      "cpu_slots": 6})
+    assert (c.tp_size, c.buffer_slots, c.shard_indexer) == (4, 8, True)
+    assert c.unique_capacity == 64  # 4 ranks x (10 + 6) unique rows
+    assert [c.charge(n) for n in (0, 1, 4, 5)] == [0, 4, 4, 8]  # ceil(n / P) per rank

@@ -60,13 +60,24 @@ class UlaCache:
     """
 
     def __init__(self, config: UlaCacheConfig, device: torch.device | str = "cpu", *,
-                 layer_groups: list[list[int]] | None = None):
+                 layer_groups: list[list[int]] | None = None, peers=None):
         self.config = config
         P = config.page_size
         # the address space first: it refuses sizes the memory cannot hold before the page
         # list (one Python int per page) is built
-        self.space = AddressSpace(config, device, n_logical=config.n_logical_pages * P,
-                                  layer_groups=layer_groups)
+        n_logical = config.n_logical_pages * P
+        if config.tp_size > 1:
+            # TP mode: every rank runs this ledger with the same calls (SPMD), so every rank
+            # hands out the same addresses; the striped space stores each rank's share
+            if peers is None:
+                raise ShapeError("TP mode (tp_size > 1) needs peers (ulacache.ipc)")
+            from .tp import TPAddressSpace
+
+            self.space = TPAddressSpace(config, peers, n_logical=n_logical,
+                                        layer_groups=layer_groups)
+        else:
+            self.space = AddressSpace(config, device, n_logical=n_logical,
+                                      layer_groups=layer_groups)
         self.pages = PageAllocator(config.n_logical_pages, P)
         self.device = self.space.device
         self.requests: dict[Hashable, RequestState] = {}
@@ -84,7 +95,7 @@ class UlaCache:
             hash(rid)
         except TypeError:
             raise ShapeError(f"request id must be hashable, got {type(rid).__name__}") from None
-        tokens = _count(tokens, "admit: tokens")
+        tokens = self.config.charge(_count(tokens, "admit: tokens"))
         if rid in self.requests:
             raise ShapeError(f"request {rid!r} is already admitted")
         if len(self.requests) >= self.config.max_requests:
@@ -124,7 +135,7 @@ class UlaCache:
         for rid, n in counts.items():
             req = self._req(rid)
             n = _count(n, "extend: n")
-            g = max(0, req.n_tokens + n - req.reserved)
+            g = max(0, self.config.charge(req.n_tokens + n) - req.reserved)
             grow += g
             pages += -(-(req.n_tokens + n) // P) - len(req.pages)
             plan.append((req, n, g))
@@ -133,15 +144,23 @@ class UlaCache:
                                     f"only {self.free_capacity} are free")
         if pages > self.pages.n_free:
             raise CapacityExhausted(f"{pages} logical pages wanted, {self.pages.n_free} free")
-        self.space.check_room(sum(n for _, n, _ in plan))  # control plane: host check is fine
-        out = []
-        for req, n, g in plan:
-            req.pages += self.pages.alloc(-(-(req.n_tokens + n) // P) - len(req.pages))
+        got = [self.pages.alloc(-(-(req.n_tokens + n) // P) - len(req.pages))
+               for req, n, _ in plan]
+        out = [addresses_of(req.pages + new, P, req.n_tokens, req.n_tokens + n, self.device)
+               for (req, n, _), new in zip(plan, got)]
+        addrs = torch.cat(out) if out else torch.zeros(0, dtype=torch.int64)
+        try:  # control plane: an exact host check of every group (and rank) is fine here
+            self.space.check_place(addrs)
+        except Exception:
+            for new in got:
+                self.pages.free(new)
+            raise
+        for (req, n, g), new in zip(plan, got):
+            req.pages += new
             req.reserved += g
             self.reserved_total += g
-            out.append(addresses_of(req.pages, P, req.n_tokens, req.n_tokens + n, self.device))
             req.n_tokens += n
-        self.space.place(torch.cat(out) if out else torch.zeros(0, dtype=torch.int64))
+        self.space.place(addrs)
         return out
 
     def addresses(self, rid: Hashable, positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -207,5 +226,4 @@ class UlaCache:
             assert r.n_tokens <= r.reserved and len(r.pages) == -(-r.n_tokens // P)
         live = self.live_mask()
         self.space.check_integrity(live)
-        for g in self.space.groups:
-            assert bool((g.loc[: self.space.n_logical][live] >= 0).all()), "live address unmapped"
+        self.space.check_placed(live)

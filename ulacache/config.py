@@ -111,10 +111,14 @@ class _Checked(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
 
 
 class UlaCacheConfig(_Checked, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """Sizes and policy of one rank's ulacache (DP mode: one address space per rank).
+    """Sizes and policy of one rank's ulacache.
 
     Pools are per selection group: every group has ``gpu_slots`` GPU rows and ``cpu_slots`` CPU
-    rows per layer, so a token's unique capacity is ``gpu_slots + cpu_slots``.
+    rows per layer on each rank. DP mode (``tp_size`` 1): one address space per rank, unique
+    capacity ``gpu_slots + cpu_slots``. TP mode (``tp_size`` P > 1): the P ranks stripe one
+    address space (address t on rank ``t mod P``), so the group holds ``P x (gpu_slots +
+    cpu_slots)`` unique tokens; each rank adds ``buffer_slots`` GPU rows per layer for copies of
+    peers' rows (design §2, the local buffer).
     """
 
     layout: Literal["fp8", "bf16", "tiny"] = "bf16"
@@ -128,8 +132,21 @@ class UlaCacheConfig(_Checked, frozen=True, forbid_unknown_fields=True, kw_only=
     n_buckets: Buckets = 64  # PB-LRU recent buckets (n_b)
     policy: PolicyName = "pblru"  # exact LRU ("lru") is the baseline
     validate: bool = True  # host-side input checks outside graph capture (they sync the GPU)
+    tp_size: Annotated[int, Meta(ge=1, le=8)] = 1  # ranks striping one address space (TP mode)
+    buffer_slots: Annotated[int, Meta(ge=0, le=MAX_GPU_SLOTS)] = 0  # TP: local buffer rows
+    shard_indexer: bool = True  # TP: indexer keys striped like the latent (else replicated)
 
     def _check(self) -> None:
+        if self.tp_size > 1 and self.buffer_slots < 1:
+            raise ConfigError("ulacache config key 'buffer_slots' must be >= 1 when 'tp_size' > "
+                              "1 (peers' rows are read through the local buffer)")
+        if self.tp_size == 1 and self.buffer_slots:
+            raise ConfigError("ulacache config key 'buffer_slots' is only for TP mode "
+                              "('tp_size' > 1)")
+        if self.page_size % self.tp_size:
+            raise ConfigError(f"ulacache config key 'tp_size' ({self.tp_size}) must divide "
+                              f"'page_size' ({self.page_size}), so that every page stripes "
+                              "evenly over the ranks")
         if self.layout != "tiny" and self.row_bytes is not None:
             raise ConfigError(f"ulacache config key 'row_bytes' is only for layout 'tiny'; "
                               f"layout {self.layout!r} fixes it ({self.row_layout.row_bytes} B)")
@@ -147,8 +164,14 @@ class UlaCacheConfig(_Checked, frozen=True, forbid_unknown_fields=True, kw_only=
 
     @property
     def unique_capacity(self) -> int:
-        """Tokens the rank can hold: exclusive tiers, so GPU + CPU slots."""
-        return self.gpu_slots + self.cpu_slots
+        """Tokens the address space holds: exclusive tiers, so GPU + CPU slots, on each of the
+        ``tp_size`` ranks that stripe it."""
+        return (self.gpu_slots + self.cpu_slots) * self.tp_size
+
+    def charge(self, tokens: int) -> int:
+        """Capacity a request of ``tokens`` tokens takes: in TP mode a rank holds at most
+        ``ceil(tokens / P)`` of them (pages stripe evenly), so ``P`` times that is charged."""
+        return -(-tokens // self.tp_size) * self.tp_size
 
     @property
     def n_logical_pages(self) -> int:

@@ -357,6 +357,21 @@ class SelectionGroup:
         out.copy_(rows)
         return out
 
+    def check_access(self, addrs: torch.Tensor) -> None:
+        """Raise what :meth:`access` would raise with validate on, changing nothing (host-side:
+        synchronises). TP mode runs it on every rank before any rank mutates, so that a bad
+        selection stops all ranks alike."""
+        flat = self._index_tensor(addrs, "access: addrs", dims=2)
+        inrange, safe = self._range(flat)
+        phys = self.loc[safe]
+        valid = inrange & (phys >= 0)
+        if bool(((flat != -1) & ~valid).any()):
+            raise AddressError("access: addrs hold an address that is out of range, not live, "
+                               "or negative other than the -1 padding")
+        first = self._first(safe, valid)
+        self._check_room(first & (phys >= self.gpu_slots),
+                         torch.where(first & (phys < self.gpu_slots), phys, -1))
+
     def _check_room(self, miss: torch.Tensor, hit_slots: torch.Tensor) -> None:
         need = int(miss.sum())
         moving = hit_slots >= 0

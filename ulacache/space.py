@@ -161,6 +161,13 @@ class AddressSpace:
         for g in self.groups:
             g.check_place_room(n)
 
+    def check_place(self, addrs: torch.Tensor) -> None:
+        """Raise what :meth:`place` would raise with validate on, changing nothing."""
+        addrs = self._addrs(addrs, "place: addrs").reshape(-1)
+        with self.stream.scope():
+            for g in self.groups:
+                g.check_place(addrs)
+
     def place(self, addrs: torch.Tensor) -> torch.Tensor:
         """Give new (unmapped, distinct) addresses a GPU slot in every group; ``int64 [n]``
         slots of the first group (``-1``: not placed). All-or-nothing when ``validate`` is on;
@@ -201,6 +208,18 @@ class AddressSpace:
         with self.stream.scope():
             return g.access(addrs, out)
 
+    def plan(self, group: int, addrs: torch.Tensor,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        """DP mode: the access itself (every layer's rows are already in place); the same
+        call as TP mode's :meth:`ulacache.tp.TPAddressSpace.plan`."""
+        return self.access(group, addrs, out)
+
+    def load(self, layer: int) -> None:
+        """DP mode: nothing to move per layer (TP mode copies peers' rows here)."""
+        self.group_of(layer)
+
+    attn_rows = gpu_rows
+
     def translate(self, group: int, addrs: torch.Tensor) -> torch.Tensor:
         """GPU rows of addresses without side effects (``-1``: padding or not GPU-resident)."""
         g = self.group(group)
@@ -218,3 +237,10 @@ class AddressSpace:
         with self.stream.scope():
             for g in self.groups:
                 g.check_integrity(live)
+
+    def check_placed(self, live: torch.Tensor) -> None:
+        """Assert every live address has a row in every group (engines that place every
+        address they allocate: the ledger)."""
+        live = live.to(self.device)
+        for g in self.groups:
+            assert bool((g.loc[: self.n_logical][live] >= 0).all()), "live address unmapped"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -66,12 +67,13 @@ class UlaCacheStore:
             for r in reqs.unique().tolist():
                 m = reqs == r
                 addrs[m] = c.addresses(r, topk[m].reshape(-1)).view(-1, topk.shape[1])
-            self._plan[gi] = space.access(gi, addrs)
+            self._plan[gi] = space.plan(gi, addrs)  # once per group per step
         rows = self._plan[gi]
         if rows.shape != topk.shape:
             raise ShapeError(f"layer {layer} reads {tuple(topk.shape)}, its group's plan is "
                              f"{tuple(rows.shape)}")
-        got = space.gpu_rows(layer)[rows.clamp(min=0).long()]
+        space.load(layer)  # TP: this layer's bytes of peers' rows into the buffer
+        got = space.attn_rows(layer)[rows.clamp(min=0).long()]
         return torch.where((rows >= 0).unsqueeze(-1), got, torch.zeros_like(got))
 
     def free(self, req: int) -> None:
@@ -104,19 +106,42 @@ def _compare(step: int, a: DecodeOutput, b: DecodeOutput, out: list[tuple[int, s
         out.append((step, "chosen tokens"))
 
 
+def sharded_select(peers) -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]:
+    """The model's top-k as a TP rank computes it with a sharded indexer: it keeps only the
+    score columns of its own positions (``j mod P == rank``), takes a local top-k and merges
+    the ranks' candidates (:func:`ulacache.indexer.sharded_topk`). The reference model still
+    scores every column (its keys are replicated), so this checks the exchange and the merge,
+    not the index-key memory."""
+    from ulacache.indexer import shard_columns, sharded_topk
+
+    def select(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+        local, positions = shard_columns(scores, peers.rank, peers.size)
+        return sharded_topk(local, positions, lengths, k, peers.all_gather)
+    return select
+
+
 def run_equality(geom: ModelGeometry, config: UlaCacheConfig, prompt_lens: list[int],
-                 n_steps: int, seed: int = 0) -> EqualityReport:
+                 n_steps: int, seed: int = 0, peers=None) -> EqualityReport:
     """Prefill ``len(prompt_lens)`` requests, decode ``n_steps`` greedy steps as one batch, with
     ulacache and fully resident; compare attention outputs, logits, top-k and chosen tokens.
 
     Tokens are chosen by the resident run (greedy) and fed to both, so a divergence is reported
     at the step where it happens instead of cascading.
+
+    TP mode (``config.tp_size > 1``): every rank of ``peers`` calls this with the same
+    arguments; each runs the model over its rank of the striped cache (own rows in place,
+    peers' rows through its buffer; the sharded indexer when ``config.shard_indexer``) and
+    compares against its own fully resident run.
     """
     if config.row_layout.row_bytes != geom.row_bytes or config.n_layers != geom.n_layers:
         raise ShapeError("config rows/layers must match the model geometry")
     gen = torch.Generator().manual_seed(seed)
     ref_model, ula_model = DSAMLAModel(geom, seed), DSAMLAModel(geom, seed)
-    ref_store, ula_store = ResidentStore(geom.row_bytes), UlaCacheStore(UlaCache(config))
+    ref_store = ResidentStore(geom.row_bytes)
+    ula_store = UlaCacheStore(UlaCache(config, peers=peers,
+                                       layer_groups=geom.selection_groups()))
+    if config.tp_size > 1 and config.shard_indexer:
+        ula_model.select = sharded_select(peers)
     report = EqualityReport(requests=len(prompt_lens), gpu_slots=config.gpu_slots)
     reqs = list(range(len(prompt_lens)))
     tokens = []

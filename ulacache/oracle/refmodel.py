@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import Callable, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -366,6 +366,8 @@ class DSAMLAModel:
                 index_w=rand(g.hidden, g.index_n_heads) if leader else None,
             ))
         self.lm_head = rand(g.hidden, g.vocab)
+        # top-k of the indexer scores: TP mode swaps in the sharded merge (ulacache.indexer)
+        self.select: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] = select_topk
         self._lengths: dict[int, int] = {}
         self._index_keys: dict[int, list[torch.Tensor]] = {}  # req -> per group float32 [len, d]
         logger.debug("DSAMLAModel: %s, seed %d, %d params", g, seed, n_params)
@@ -499,4 +501,4 @@ class DSAMLAModel:
         # A query at position p sees 0..p: later prompt positions of the same batch are masked.
         lengths = positions + 1
         scores = scores.masked_fill(torch.arange(width)[None, :] >= lengths[:, None], -math.inf)
-        return select_topk(scores, lengths, g.index_topk), scores
+        return self.select(scores, lengths, g.index_topk), scores

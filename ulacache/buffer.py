@@ -1,0 +1,134 @@
+"""TP local buffer: one rank's copies of peers' rows for one selection group (design §2).
+
+The buffer is a set of ``B`` extra rows at the end of the tensor attention reads, so that one
+tensor per layer holds ``[own pool rows | scratch | buffer rows]`` and attention reads own rows
+in place (no local copy) and peers' rows from the buffer::
+
+    rows [0, G)              own GPU pool (the owner's slots, see :mod:`ulacache.group`)
+    row  G                   scratch (masked copies)
+    rows [G + 1, G + 1 + B)  buffer slot b at row G + 1 + b
+
+This class keeps only the buffer's metadata; the bytes live in that tensor.
+
+- ``slot_of int64 [n_logical + 1]``: buffer slot of each *global* address, ``-1`` if none
+  (the last entry is scratch for masked writes).
+- ``holder int64 [B + 1]``: the address each slot holds, ``-1`` when free (last: scratch).
+- a replacement policy over the ``B`` slots (PB-LRU by default): slots read or filled this
+  round are in its current bucket, so they are never victims before the round ends (design
+  invariant 5: a slot is not reused before the attention that reads it has finished; the next
+  round starts after this rank's attention, in stream order).
+
+A copy is only ever a copy: the owner keeps the row, so evicting or dropping a buffer entry
+loses nothing. Rows are immutable once written (a token's latent never changes) until their
+address is released, and :meth:`drop` removes released addresses on every rank, so a hit can
+never return another token's bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .pblru import make_policy
+from .pools import allocate
+
+_NO_CLAIM = torch.iinfo(torch.int64).max
+
+
+class LocalBuffer:
+    """Metadata of ``n_slots`` buffer rows over global addresses ``[0, n_logical)``."""
+
+    def __init__(self, n_logical: int, n_slots: int, device: torch.device,
+                 policy: str = "pblru", n_buckets: int = 64):
+        self.n_logical, self.n_slots, self.device = n_logical, n_slots, device
+        self.slot_of = allocate((n_logical + 1,), torch.int64, device, "the buffer map",
+                                fill=-1)
+        self.holder = torch.full((n_slots + 1,), -1, dtype=torch.int64, device=device)
+        self.policy = make_policy(policy, n_slots, n_buckets, device)
+        self._claim = allocate((n_logical + 1,), torch.int64, device, "the buffer claim table",
+                               fill=_NO_CLAIM)
+
+    def lookup(self, safe: torch.Tensor) -> torch.Tensor:
+        """Buffer slot of each address (``safe``: in range or the scratch index ``n_logical``);
+        ``int64``, ``-1`` where not buffered."""
+        return self.slot_of[safe]
+
+    def first(self, safe: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """``keep`` restricted to the first occurrence of each address."""
+        pos = torch.arange(safe.numel(), device=self.device)
+        self._claim.scatter_reduce_(0, safe, torch.where(keep, pos, _NO_CLAIM), "amin")
+        first = keep & (self._claim[safe] == pos)
+        self._claim.index_fill_(0, safe, _NO_CLAIM)
+        return first
+
+    def touch(self, slots: torch.Tensor) -> None:
+        """Mark buffer hits as read this round (pins them; ``-1`` skipped)."""
+        self.policy.touch(slots)
+
+    def claim(self, addrs: torch.Tensor, want: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A slot for each wanted address (distinct, not buffered): (``int64 [n]`` slots,
+        ``-1`` where not wanted or no slot is free or evictable this round, i.e. overflow to be
+        counted; 0-dim number of copies evicted for them).
+
+        Victims come in policy order (free, then least recent; never this round's slots); an
+        evicted copy's address is unmapped first. The caller fills the rows (bytes) after this
+        returns; nobody reads them before that (the round's plan is not published yet).
+        """
+        rank = torch.cumsum(want, 0) - 1
+        cand = self.policy.victims(addrs.numel())
+        slot = torch.where(want, cand[rank.clamp(min=0)], -1)
+        ok = slot >= 0
+        B = self.n_slots
+        old = self.holder[torch.where(ok, slot, B)]
+        evict = ok & (old >= 0)
+        self.slot_of.index_put_((torch.where(evict, old, self.n_logical),),
+                                torch.full_like(old, -1))
+        self.slot_of.index_put_((torch.where(ok, addrs, self.n_logical),), slot)
+        self.holder.index_put_((torch.where(ok, slot, B),), torch.where(ok, addrs, -1))
+        self.policy.assign(slot)
+        return slot, evict.sum()
+
+    def drop(self, safe: torch.Tensor) -> torch.Tensor:
+        """Forget the copies of these addresses (released on their owner); ``int64`` number
+        of copies dropped (0-dim). Duplicates and unbuffered addresses are harmless."""
+        slot = self.slot_of[safe]
+        held = slot >= 0
+        first = self.first(safe, held)
+        B = self.n_slots
+        self.slot_of.index_put_((torch.where(first, safe, self.n_logical),),
+                                torch.full_like(slot, -1))
+        self.holder.index_put_((torch.where(first, slot, B),), torch.full_like(slot, -1))
+        self.policy.release(torch.where(first, slot, -1))
+        return first.sum()
+
+    def advance(self) -> None:
+        self.policy.advance()
+
+    def eligible(self) -> torch.Tensor:
+        """Slots free or evictable this round (0-dim ``int64``)."""
+        return self.policy.eligible()
+
+    def buffered(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(addresses, slots) of every copy held (host-side: tests and integrity checks)."""
+        held = self.holder[: self.n_slots]
+        slots = torch.nonzero(held >= 0).reshape(-1)
+        return held[slots], slots
+
+    def check_integrity(self, live: torch.Tensor | None = None) -> None:
+        """Map and holders agree, the policy's used set is the held set, scratch untouched;
+        ``live`` (``bool [n_logical]``): every copy's address is live."""
+        B = self.n_slots
+        assert int(self.slot_of[self.n_logical]) == -1, "buffer scratch map entry written"
+        assert int(self.holder[B]) == -1, "buffer scratch holder written"
+        addrs, slots = self.buffered()
+        assert bool((addrs < self.n_logical).all()), "buffer holds an out-of-range address"
+        assert addrs.unique().numel() == addrs.numel(), "address buffered twice"
+        assert torch.equal(self.slot_of[addrs], slots), "buffer map disagrees with holders"
+        assert int((self.slot_of[: self.n_logical] >= 0).sum()) == addrs.numel(), \
+            "buffer map points at slots that hold another address"
+        assert torch.equal(self.policy.used_mask(), self.holder[:B] >= 0), \
+            "buffer policy's used set != held slots"
+        self.policy.check_integrity()
+        assert bool((self._claim == _NO_CLAIM).all()), "buffer claim table dirty"
+        if live is not None:
+            assert bool(live.to(self.device)[addrs].all()), "buffer holds a released address"

@@ -1,0 +1,415 @@
+"""TP mode: one address space striped across the P ranks of a tensor-parallel group.
+
+Address ``t`` lives on rank ``t mod P`` at local position ``t // P`` (design §2). Each rank
+holds an :class:`~ulacache.space.AddressSpace` over its ``ceil(n / P)`` local positions (GPU
+and CPU pools, mapping, PB-LRU: the DP core, unchanged) plus, per selection group, a
+:class:`~ulacache.buffer.LocalBuffer` of copies of peers' rows. Attention reads one tensor per
+layer, ``[own pool rows (G) | scratch | buffer rows (B)]`` (:meth:`TPAddressSpace.attn_rows`),
+so own rows are read in place.
+
+One step of one selection group (every rank holds the same top-k: the sharded indexer's
+merge, :mod:`ulacache.indexer`, or a replicated indexer)::
+
+    plan(group, addrs)          once per group per step (plan reuse, design §3):
+      1. own rows: the DP access on this rank's shard (CPU-resident rows are promoted into
+         this rank's GPU pool: data, then mapping)
+      2. exchange: all-gather of the owners' slot tables int32 [P, bs, k]; it is also the
+         fence that orders every owner's promotions before any peer's read
+      3. gates, in order: buffer hit (no transfer) | own pool (read in place) | peer pool
+         (a buffer slot is claimed; the copy is listed)
+    load(layer)                 every layer of the group: one peer gather of its own bytes
+
+Cross-rank ordering (docs/architecture.md, "TP mode"): metadata is owner-held; the only thing
+exchanged per step is the slot table, by the same collective that orders the data.
+:meth:`begin_round` is a fence of the whole group (every rank finished the previous round's
+reads before any owner evicts), and new rows of a round are stored by their owner *and*
+copied into every other rank's buffer from the rows each rank computed itself (TP ranks
+compute identical latent rows), so no rank reads a row from a peer in the round it is written.
+
+Collective calls (every rank calls them in the same order with the same arguments):
+``begin_round``, ``place``, ``plan``, ``access``, ``release``, ``read``, ``check_integrity``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ulacache.kernels.dispatch import gather_rows_peers, pool_ptr_table
+
+from .address import local_position, owner_rank
+from .buffer import LocalBuffer
+from .config import UlaCacheConfig
+from .errors import AddressError, CapacityExhausted, ShapeError, UlaCacheError
+from .pools import resolve_device
+from .space import AddressSpace
+
+logger = logging.getLogger(__name__)
+
+TP_COUNTERS = ("selected", "own_rows", "buffer_hits", "peer_fetches", "peer_missing",
+               "buffer_overflow", "new_buffered", "buffer_evictions", "buffer_drops")
+"""Per group per rank (``int64`` on the device), distinct rows per step:
+
+- ``selected``: distinct valid selections; ``own_rows``: those this rank owns (gate b, read
+  in place); ``buffer_hits``: peers' rows already in the buffer (gate a);
+  ``peer_fetches``: peers' rows copied owner GPU -> buffer (gate c, once per layer);
+- ``peer_missing``: peers' rows their owner could not serve (its overflow; read as padding);
+- ``buffer_overflow``: peers' rows with no buffer slot this round (read as padding, or for a
+  new row: left to its owner);
+- ``new_buffered``: new rows copied into the buffer at placement; ``buffer_evictions``:
+  copies evicted to make room (their owner keeps the row); ``buffer_drops``: copies dropped
+  because their address was released.
+"""
+
+_ERRORS = (AddressError, CapacityExhausted, ShapeError, UlaCacheError)
+
+
+class _Plan:
+    """One group's plan for the current step: the peer copies every layer repeats."""
+
+    __slots__ = ("src_rank", "src_slot", "dst_row")
+
+    def __init__(self, src_rank: torch.Tensor, src_slot: torch.Tensor, dst_row: torch.Tensor):
+        self.src_rank, self.src_slot, self.dst_row = src_rank, src_slot, dst_row
+
+
+class TPAddressSpace:
+    """This rank's share of a TP group's striped address space ``[0, n_logical)``.
+
+    Parameters
+    ----------
+    config : ``tp_size`` = P, ``buffer_slots`` = B; ``gpu_slots`` / ``cpu_slots`` are this
+        rank's (per group, per layer).
+    peers : a :class:`ulacache.ipc.Peers` of size P (threads, shared memory or CUDA IPC).
+    n_logical : global addresses (SGLang: its allocator's token count).
+    layer_groups : as for :class:`~ulacache.space.AddressSpace`.
+    """
+
+    def __init__(self, config: UlaCacheConfig, peers, *, n_logical: int,
+                 layer_groups: list[list[int]] | None = None):
+        if config.tp_size < 2 or peers.size != config.tp_size:
+            raise ShapeError(f"TP mode needs tp_size >= 2 equal to the peer group's size; got "
+                             f"tp_size {config.tp_size} and {peers.size} peers")
+        if isinstance(n_logical, bool) or not isinstance(n_logical, int) or n_logical < 1:
+            raise ShapeError(f"n_logical must be a positive integer, got {n_logical!r}")
+        self.config, self.peers = config, peers
+        self.P, self.rank = config.tp_size, peers.rank
+        self.device = resolve_device(peers.device)
+        self.n_logical = n_logical
+        self.n_local = -(-n_logical // self.P)
+        G, B, rb = config.gpu_slots, config.buffer_slots, config.row_layout.row_bytes
+        self.gpu_slots, self.buffer_slots = G, B
+        L = config.layers_per_group
+        groups = layer_groups or [list(range(g * L, (g + 1) * L)) for g in range(config.n_groups)]
+        # one shared tensor per group: [own pool | scratch | buffer], every layer of the group
+        self.storage = [peers.alloc_shared(f"group{gi}", (len(g), G + 1 + B, rb), torch.uint8)
+                        for gi, g in enumerate(groups)]
+        self.local = AddressSpace(config, self.device, n_logical=self.n_local,
+                                  layer_groups=groups,
+                                  gpu_storage=[s[:, : G + 1] for s in self.storage])
+        self.groups = self.local.groups
+        self.layer_to_group = self.local.layer_to_group
+        views = [peers.open_peers(f"group{gi}") for gi in range(len(groups))]
+        # per layer: the P owners' [1, G + 1 + B, rb] slices (a pointer table on CUDA)
+        self._peer_layers = []
+        for gi, g in enumerate(groups):
+            per_layer = []
+            for li in range(len(g)):
+                pools = [v[li: li + 1] for v in views[gi]]
+                per_layer.append(pool_ptr_table(pools, self.device)
+                                 if self.device.type == "cuda" else pools)
+            self._peer_layers.append(per_layer)
+        self.buffers = [LocalBuffer(n_logical, B, self.device, config.policy, config.n_buckets)
+                        for _ in groups]
+        self.tp_counters = torch.zeros(len(groups), len(TP_COUNTERS), dtype=torch.int64,
+                                       device=self.device)
+        self._plans: list[_Plan | None] = [None] * len(groups)
+        logger.info("ulacache TP rank %d/%d: %d local positions of %d addresses, %d GPU + %d "
+                    "CPU + %d buffer rows per layer", self.rank, self.P, self.n_local,
+                    n_logical, G, config.cpu_slots, B)
+
+    # -- lookup ---------------------------------------------------------------------------
+    @property
+    def validate(self) -> bool:
+        return self.config.validate
+
+    @property
+    def stream(self):
+        return self.local.stream
+
+    def attn_rows(self, layer: int) -> torch.Tensor:
+        """The tensor attention reads for ``layer``: ``uint8 [G + 1 + B, row_bytes]``."""
+        gi = self._group_of(layer)
+        return self.storage[gi][self.groups[gi].layer_index[layer]]
+
+    gpu_rows = attn_rows
+
+    def _group_of(self, layer: int) -> int:
+        self.local.group_of(layer)  # type and range checks with the DP wording
+        return self.layer_to_group[layer]
+
+    def _split(self, addrs: torch.Tensor, name: str):
+        """(flat global addresses, in range, this rank's, its local positions or -1)."""
+        flat = self.local._addrs(addrs, name).reshape(-1).to(torch.int64)
+        inrange = (flat >= 0) & (flat < self.n_logical)
+        mine = inrange & (owner_rank(flat, self.P) == self.rank)
+        return flat, inrange, mine, torch.where(mine, local_position(flat, self.P), -1)
+
+    def _count(self, gi: int, **values: torch.Tensor) -> None:
+        zero = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.tp_counters[gi].add_(torch.stack([values.get(n, zero) for n in TP_COUNTERS]))
+
+    def _agree(self, check) -> None:
+        """Run a host-side check on every rank and raise on every rank if any rank failed, so
+        that no rank mutates (or blocks in a collective) while another has stopped."""
+        err: Exception | None = None
+        try:
+            check()
+        except _ERRORS as e:
+            err = e
+        code = 0 if err is None else 1 + next(i for i, t in enumerate(_ERRORS)
+                                              if isinstance(err, t))
+        codes = self.peers.all_gather(torch.tensor([code], dtype=torch.int64,
+                                                   device=self.device)).reshape(-1).tolist()
+        if err is not None:
+            raise type(err)(f"rank {self.rank}: {err}") from err
+        bad = [r for r, c in enumerate(codes) if c]
+        if bad:
+            raise _ERRORS[codes[bad[0]] - 1](f"rank {bad[0]} refused this call (see its error);"
+                                             " no rank changed anything")
+
+    # -- rounds ---------------------------------------------------------------------------
+    def begin_round(self) -> None:
+        """Fence the group (every rank finished the last round's reads), then advance every
+        policy and buffer."""
+        self.peers.barrier()
+        with self.stream.scope():
+            for b in self.buffers:
+                b.advance()
+        self.local.begin_round()
+        self._plans = [None] * len(self.groups)
+
+    @property
+    def round_serial(self) -> int:
+        return self.local.round_serial
+
+    # -- placement and release --------------------------------------------------------------
+    def check_place(self, addrs: torch.Tensor) -> None:
+        """Raise (on every rank) what :meth:`place` would raise, changing nothing."""
+        flat, inrange, mine, lpos = self._split(addrs, "place: addrs")
+
+        def check():
+            if bool(((flat != -1) & ~inrange).any()):
+                raise AddressError(f"place: addrs out of range [0, {self.n_logical})")
+            theirs = inrange & ~mine
+            for g, b in zip(self.groups, self.buffers):
+                g.check_place(lpos)
+                need = int(b.first(torch.where(theirs, flat, self.n_logical), theirs).sum())
+                if need > int(b.eligible()):
+                    raise CapacityExhausted(
+                        f"place: {need} new rows of peers need a buffer copy this round but "
+                        f"only {int(b.eligible())} of {self.buffer_slots} buffer slots are free "
+                        "or evictable; raise buffer_slots or place fewer rows per round")
+        self._agree(check)
+
+    def place(self, addrs: torch.Tensor) -> torch.Tensor:
+        """New global addresses (distinct, unmapped): the owner gives each a GPU slot in every
+        group; every other rank a buffer slot for its own copy of the row (filled by
+        :meth:`write`). Returns ``int64 [n]`` local GPU slots of group 0 (``-1``: not this
+        rank's or not placed)."""
+        if self.validate:
+            self.check_place(addrs)
+        flat, inrange, mine, lpos = self._split(addrs, "place: addrs")
+        theirs = inrange & ~mine
+        safe = torch.where(theirs, flat, self.n_logical)
+        with self.stream.scope():
+            slots = self.local.place(lpos)
+            for gi, b in enumerate(self.buffers):
+                want = b.first(safe, theirs & (b.lookup(safe) < 0))
+                got, evicted = b.claim(safe, want)
+                self._count(gi, new_buffered=(got >= 0).sum(), buffer_evictions=evicted,
+                            buffer_overflow=(want & (got < 0)).sum())
+        return slots
+
+    def release(self, addrs: torch.Tensor) -> None:
+        """Drop these addresses: the owner frees their rows, every rank its copies."""
+        flat, inrange, mine, lpos = self._split(addrs, "release: addrs")
+        if self.validate:
+            self._agree(lambda: self._check_release(flat, inrange))
+        safe = torch.where(inrange, flat, self.n_logical)
+        with self.stream.scope():
+            self.local.release(lpos)
+            for gi, b in enumerate(self.buffers):
+                self._count(gi, buffer_drops=b.drop(safe))
+
+    def _check_release(self, flat: torch.Tensor, inrange: torch.Tensor) -> None:
+        if bool(((flat != -1) & ~inrange).any()):
+            raise AddressError(f"release: addrs out of range [0, {self.n_logical}) (or negative "
+                               "other than the -1 padding)")
+        safe = torch.where(inrange, flat, self.n_logical)
+        b = self.buffers[0]
+        if bool((inrange & ~b.first(safe, inrange)).any()):
+            raise AddressError("release: duplicate addrs")
+
+    # -- data (host-checked: tests and tools) -------------------------------------------------
+    def write(self, layer: int, addrs: torch.Tensor, rows: torch.Tensor) -> None:
+        """Rows of one layer for live addresses (every rank passes the same rows): the owner
+        stores its rows, the others refresh the copies they hold. Not collective."""
+        gi = self._group_of(layer)
+        flat, inrange, mine, lpos = self._split(addrs, "write: addrs")
+        if bool(((flat != -1) & ~inrange).any()):
+            raise AddressError(f"write: addrs out of range [0, {self.n_logical})")
+        with self.stream.scope():
+            self.local.groups[gi].write(layer, lpos, rows)  # shape and liveness checks
+            b = self.buffers[gi]
+            slot = b.lookup(torch.where(inrange & ~mine, flat, self.n_logical))
+            dst = torch.where(slot >= 0, self.gpu_slots + 1 + slot, -1)
+            keep = dst >= 0
+            self.attn_rows(layer)[dst[keep]] = rows.to(self.device)[keep]
+
+    def read(self, layer: int, addrs: torch.Tensor) -> torch.Tensor:
+        """``uint8 [n, row_bytes]`` rows of live addresses from their owners, wherever they
+        live (GPU or CPU tier); zeros for ``-1``. Collective (tests and tools)."""
+        gi = self._group_of(layer)
+        flat, inrange, mine, lpos = self._split(addrs, "read: addrs")
+        if bool(((flat != -1) & ~inrange).any()):
+            raise AddressError(f"read: addrs out of range [0, {self.n_logical})")
+        with self.stream.scope():
+            own = self.local.groups[gi].read(layer, lpos)
+        own = torch.where(mine.unsqueeze(1), own, torch.zeros((), dtype=torch.uint8))
+        everyone = self.peers.all_gather(own.contiguous())
+        owner = torch.where(inrange, owner_rank(flat, self.P), 0)
+        got = everyone[owner, torch.arange(flat.numel(), device=self.device)]
+        return torch.where(inrange.unsqueeze(1), got, torch.zeros((), dtype=torch.uint8))
+
+    # -- the per-step sparse access -------------------------------------------------------
+    def plan(self, group: int, addrs: torch.Tensor, out: torch.Tensor | None = None
+             ) -> torch.Tensor:
+        """Plan one step's access of a group; ``int32 [bs, k]`` rows of :meth:`attn_rows`
+        (``-1``: padding, or validate off: invalid/overflowed). Moves no peer bytes: each layer
+        of the group calls :meth:`load`. Collective (one all-gather of ``bs * k * 4`` B).
+        """
+        g = self.local.group(group)
+        b = self.buffers[group]
+        if not isinstance(addrs, torch.Tensor) or addrs.dim() != 2:
+            raise ShapeError("plan: addrs must be an int tensor [bs, k]")
+        flat, inrange, mine, lpos = self._split(addrs, "plan: addrs")
+        shape = addrs.shape
+        theirs = inrange & ~mine
+        safe = torch.where(inrange, flat, self.n_logical)
+        if self.validate:
+            def check():
+                if bool(((flat != -1) & ~inrange).any()):
+                    raise AddressError(f"access: addrs out of range [0, {self.n_logical})")
+                g.check_access(lpos.view(shape))
+                hit = b.lookup(safe) >= 0
+                first = b.first(safe, theirs)
+                need = int((first & ~hit).sum())
+                moving = first & hit & ~b.policy.pinned(b.lookup(safe))
+                have = int(b.eligible()) - int(moving.sum())
+                if need > have:
+                    raise CapacityExhausted(
+                        f"access: {need} peers' rows to fetch but only {have} of "
+                        f"{self.buffer_slots} buffer slots are free or evictable this round; "
+                        "buffer_slots must hold a step's distinct peer rows")
+            self._agree(check)
+        with self.stream.scope():
+            # 1. own rows (promotions included), 2. exchange: also the data-ready fence
+            own = g.access(lpos.view(shape)).reshape(-1)
+            table = self.peers.all_gather(own.view(shape)).reshape(self.P, -1)
+            owner = torch.where(inrange, owner_rank(flat, self.P), 0)
+            owner_slot = table.gather(0, owner.unsqueeze(0)).squeeze(0).to(torch.int64)
+            # 3. gates: buffer hit, else a claimed slot and a listed copy
+            bslot = b.lookup(safe)
+            first = b.first(safe, inrange)
+            hit = theirs & (bslot >= 0)
+            b.touch(torch.where(first & hit, bslot, -1))
+            want = first & theirs & ~hit & (owner_slot >= 0)
+            got, evicted = b.claim(safe, want)
+            fetch = got >= 0
+            bslot = b.lookup(safe)
+            row = torch.where(mine, own.to(torch.int64),
+                              torch.where(theirs & (bslot >= 0), self.gpu_slots + 1 + bslot, -1))
+            self._plans[group] = _Plan(torch.where(fetch, owner, -1),
+                                       torch.where(fetch, owner_slot, -1),
+                                       torch.where(fetch, self.gpu_slots + 1 + got, -1))
+            self._count(group, selected=first.sum(), own_rows=(first & mine).sum(),
+                        buffer_hits=(first & hit).sum(), peer_fetches=fetch.sum(),
+                        peer_missing=(first & theirs & ~hit & (owner_slot < 0)).sum(),
+                        buffer_overflow=(want & ~fetch).sum(), buffer_evictions=evicted)
+            rows = row.view(shape)
+            if out is None:
+                return rows.to(torch.int32)
+            out.copy_(rows)
+            return out
+
+    def load(self, layer: int) -> None:
+        """Copy this layer's bytes of the group's planned peer rows into the buffer (one
+        gather over the peers' pools). Graph-safe; call after :meth:`plan` in the same step."""
+        gi = self._group_of(layer)
+        plan = self._plans[gi]
+        if plan is None:
+            raise ShapeError(f"load: layer {layer}'s group has no plan this round (call plan)")
+        li = self.groups[gi].layer_index[layer]
+        dst = self.storage[gi][li: li + 1]
+        with self.stream.scope():
+            gather_rows_peers(self._peer_layers[gi][li], plan.src_rank, plan.src_slot, dst,
+                              plan.dst_row, src_rows=dst.shape[1])
+
+    def access(self, group: int, addrs: torch.Tensor, out: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """:meth:`plan` then :meth:`load` for every layer of the group (tools and tests)."""
+        rows = self.plan(group, addrs, out)
+        for layer in self.groups[group].layers:
+            self.load(layer)
+        return rows
+
+    def translate(self, group: int, addrs: torch.Tensor) -> torch.Tensor:
+        """Rows of :meth:`attn_rows` where addresses are readable now without side effects
+        (own GPU rows and buffered copies); ``-1`` elsewhere."""
+        flat, inrange, mine, lpos = self._split(addrs, "translate: addrs")
+        own = self.local.groups[group].translate(lpos).to(torch.int64)
+        bslot = self.buffers[group].lookup(torch.where(inrange & ~mine, flat, self.n_logical))
+        row = torch.where(mine, own, torch.where(bslot >= 0, self.gpu_slots + 1 + bslot, -1))
+        return row.to(torch.int32).view(addrs.shape)
+
+    # -- observability and invariants ------------------------------------------------------
+    def counters(self) -> list[dict[str, int]]:
+        """Per group: the DP core's counters of this rank's shard plus the TP gates."""
+        tp = self.tp_counters.tolist()
+        return [{**c, **dict(zip(TP_COUNTERS, t))} for c, t in zip(self.local.counters(), tp)]
+
+    def local_live(self, live: torch.Tensor) -> torch.Tensor:
+        """``bool [n_local]``: this rank's share of a global live mask."""
+        live = live.to(self.device)
+        out = torch.zeros(self.n_local, dtype=torch.bool, device=self.device)
+        addr = torch.arange(self.rank, self.n_logical, self.P, device=self.device)
+        out[local_position(addr, self.P)] = live[addr]
+        return out
+
+    def check_placed(self, live: torch.Tensor) -> None:
+        """Every live address of this rank's shard has a row in every group."""
+        self.local.check_placed(self.local_live(live))
+
+    def check_integrity(self, live: torch.Tensor | None = None) -> None:
+        """This rank's DP invariants over its shard, the buffers' invariants, and that every
+        buffered copy holds its owner's current bytes (collective). ``live``: ``bool
+        [n_logical]`` of allocated global addresses."""
+        self.local.check_integrity(None if live is None else self.local_live(live))
+        for gi, b in enumerate(self.buffers):
+            b.check_integrity(live)
+            addrs, slots = b.buffered()
+            assert not bool((owner_rank(addrs, self.P) == self.rank).any()), \
+                "buffer holds a copy of this rank's own row"
+            # every rank reads the union of buffered addresses from their owners
+            n = torch.tensor([addrs.numel()], device=self.device)
+            width = int(self.peers.all_gather(n).max())
+            padded = torch.full((width,), -1, dtype=torch.int64, device=self.device)
+            padded[: addrs.numel()] = addrs
+            every = self.peers.all_gather(padded).reshape(-1)
+            for layer in self.groups[gi].layers:
+                truth = self.read(layer, every)  # collective: same order on every rank
+                mine = truth[self.rank * width: self.rank * width + addrs.numel()]
+                held = self.attn_rows(layer)[self.gpu_slots + 1 + slots]
+                assert torch.equal(held, mine), f"stale buffer copy in layer {layer}"
