@@ -1,6 +1,7 @@
 """Mutation check: do the core tests catch plausible one-line bugs, every run?
 
-    python tests/mutants.py            # ~10 min on 2 cores; prints one line per mutant
+    python tests/mutants.py            # ~15 min on 2 cores; prints one line per mutant
+    python tests/mutants.py tp         # only the TP-mode mutants (tests/test_tp.py)
 
 Copies the repository to a temporary directory, applies each mutant below (one line of the core
 changed the way a tired engineer might), runs the core tests there twice with the derandomized
@@ -61,6 +62,28 @@ MUTANTS = [  # (file, original, mutant, what it models)
     (P, "        self.entered.add_((move if assigned else move & (old <= 1)).sum())\n", "",
      "PB-LRU turnover never counted"),
 ]
+TPF, BUF = "ulacache/tp.py", "ulacache/buffer.py"
+TP_TESTS = ["tests/test_tp.py"]
+TP_MUTANTS = [  # TP mode: the striped space and the local buffer, checked by tests/test_tp.py
+    (TPF, "            b.touch(torch.where(first & hit, bslot, -1))\n", "",
+     "buffer hits not pinned"),
+    (BUF, "        self.slot_of.index_put_((torch.where(evict, old, self.n_logical),),\n"
+          "                                torch.full_like(old, -1))\n", "",
+     "an evicted copy stays mapped"),
+    (TPF, "                self._count(gi, buffer_drops=b.drop(safe))", "                pass",
+     "released addresses keep their copies"),
+    (TPF, "            self.attn_rows(layer)[dst[keep]] = rows.to(self.device)[keep]", "",
+     "a rewrite leaves the copies stale"),
+    (TPF, "torch.where(fetch, self.gpu_slots + 1 + got, -1))",
+     "torch.where(fetch, self.gpu_slots + got, -1))", "buffer rows off by one (onto scratch)"),
+    (TPF, "mine = inrange & (owner_rank(flat, self.P) == self.rank)",
+     "mine = inrange & (owner_rank(flat, self.P) <= self.rank)", "ownership test widened"),
+    (TPF, "want = first & theirs & ~hit & (owner_slot >= 0)",
+     "want = theirs & ~hit & (owner_slot >= 0)", "a peer row fetched once per duplicate"),
+    (BUF, "slot = torch.where(want, cand[rank.clamp(min=0)], -1)",
+     "slot = torch.where(want, cand[rank.clamp(min=0) // 2], -1)",
+     "two copies claim one buffer slot"),
+]
 # Not listed: equivalent mutants (no observable change), e.g. PBLRU.touch moving a slot that is
 # already in the current bucket to the current bucket again (the bit and count moves cancel).
 
@@ -81,7 +104,9 @@ def main() -> int:
         with open(copy / "tests" / "conftest.py", "a") as f:
             f.write(CONFTEST)
         env = {**os.environ, "PYTHONPATH": str(copy)}
-        for path, old, new, what in MUTANTS:
+        only_tp = sys.argv[1:] == ["tp"]
+        for path, old, new, what, tests in [(*m, TESTS) for m in MUTANTS if not only_tp] + \
+                [(*m, TP_TESTS) for m in TP_MUTANTS]:
             target = copy / path
             src = target.read_text()
             if src.count(old) != 1:
@@ -92,7 +117,7 @@ def main() -> int:
             t0 = time.time()
             try:
                 caught = all(subprocess.run(
-                    [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *TESTS],
+                    [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
                     cwd=copy, env=env, capture_output=True, timeout=1200).returncode != 0
                     for _ in range(2))
             finally:
@@ -100,7 +125,8 @@ def main() -> int:
             missed += not caught
             print(f"{'caught' if caught else 'MISSED'} {what} ({time.time() - t0:.0f} s)",
                   flush=True)
-    print(f"{len(MUTANTS) - missed} of {len(MUTANTS)} mutants caught by every run")
+    total = len(TP_MUTANTS) + (0 if only_tp else len(MUTANTS))
+    print(f"{total - missed} of {total} mutants caught by every run")
     return 1 if missed else 0
 
 

@@ -62,7 +62,7 @@ TP_COUNTERS = ("selected", "own_rows", "buffer_hits", "peer_fetches", "peer_miss
   because their address was released.
 """
 
-_ERRORS = (AddressError, CapacityExhausted, ShapeError, UlaCacheError)
+_ERRORS = (ShapeError, AddressError, CapacityExhausted, UlaCacheError)  # verdict order
 
 
 class _Plan:
@@ -84,10 +84,15 @@ class TPAddressSpace:
     peers : a :class:`ulacache.ipc.Peers` of size P (threads, shared memory or CUDA IPC).
     n_logical : global addresses (SGLang: its allocator's token count).
     layer_groups : as for :class:`~ulacache.space.AddressSpace`.
+    storage : optional engine-owned tensors, one ``(name, uint8 [L_g, R, row_bytes])`` per
+        group, each allocated with ``peers.alloc_shared(name, ...)`` (e.g. SGLang's
+        ``kv_buffer`` with its sink page); ulacache uses rows ``[row_offset, row_offset + G +
+        1 + B)`` of it, and row ids it returns are relative to ``row_offset``.
     """
 
     def __init__(self, config: UlaCacheConfig, peers, *, n_logical: int,
-                 layer_groups: list[list[int]] | None = None):
+                 layer_groups: list[list[int]] | None = None,
+                 storage: list[tuple[str, torch.Tensor]] | None = None, row_offset: int = 0):
         if config.tp_size < 2 or peers.size != config.tp_size:
             raise ShapeError(f"TP mode needs tp_size >= 2 equal to the peer group's size; got "
                              f"tp_size {config.tp_size} and {peers.size} peers")
@@ -102,15 +107,30 @@ class TPAddressSpace:
         self.gpu_slots, self.buffer_slots = G, B
         L = config.layers_per_group
         groups = layer_groups or [list(range(g * L, (g + 1) * L)) for g in range(config.n_groups)]
-        # one shared tensor per group: [own pool | scratch | buffer], every layer of the group
-        self.storage = [peers.alloc_shared(f"group{gi}", (len(g), G + 1 + B, rb), torch.uint8)
-                        for gi, g in enumerate(groups)]
+        R = G + 1 + B
+        if storage is None:
+            # one shared tensor per group: [own pool | scratch | buffer], every layer of it
+            storage = [(f"group{gi}", peers.alloc_shared(f"group{gi}", (len(g), R, rb),
+                                                         torch.uint8))
+                       for gi, g in enumerate(groups)]
+            row_offset = 0
+        if len(storage) != len(groups):
+            raise ShapeError(f"storage needs one tensor per group ({len(groups)})")
+        for (name, t), g in zip(storage, groups):
+            if t.dtype != torch.uint8 or t.dim() != 3 or t.shape[0] != len(g) or \
+                    t.shape[2] != rb or t.shape[1] < row_offset + R or not t.is_contiguous():
+                raise ShapeError(f"storage {name!r} must be a contiguous uint8 [{len(g)}, >= "
+                                 f"{row_offset + R}, {rb}] tensor, got {t.dtype} "
+                                 f"{tuple(t.shape)}")
+        names = [name for name, _ in storage]
+        self.storage = [t[:, row_offset: row_offset + R] for _, t in storage]
         self.local = AddressSpace(config, self.device, n_logical=self.n_local,
                                   layer_groups=groups,
                                   gpu_storage=[s[:, : G + 1] for s in self.storage])
         self.groups = self.local.groups
         self.layer_to_group = self.local.layer_to_group
-        views = [peers.open_peers(f"group{gi}") for gi in range(len(groups))]
+        views = [[v[:, row_offset: row_offset + R] for v in peers.open_peers(name)]
+                 for name in names]
         # per layer: the P owners' [1, G + 1 + B, rb] slices (a pointer table on CUDA)
         self._peer_layers = []
         for gi, g in enumerate(groups):
@@ -161,8 +181,10 @@ class TPAddressSpace:
         self.tp_counters[gi].add_(torch.stack([values.get(n, zero) for n in TP_COUNTERS]))
 
     def _agree(self, check) -> None:
-        """Run a host-side check on every rank and raise on every rank if any rank failed, so
-        that no rank mutates (or blocks in a collective) while another has stopped."""
+        """Run a host-side check on every rank and raise the same error type on every rank if
+        any rank failed, so that no rank mutates (or blocks in a collective) while another has
+        stopped. The verdict: the most basic failure (bad shape, then bad address, then no
+        capacity) of the lowest rank that found it."""
         err: Exception | None = None
         try:
             check()
@@ -172,12 +194,15 @@ class TPAddressSpace:
                                               if isinstance(err, t))
         codes = self.peers.all_gather(torch.tensor([code], dtype=torch.int64,
                                                    device=self.device)).reshape(-1).tolist()
-        if err is not None:
+        failed = [(c, r) for r, c in enumerate(codes) if c]
+        if not failed:
+            return
+        kind, first = min(failed)
+        if first == self.rank:
             raise type(err)(f"rank {self.rank}: {err}") from err
-        bad = [r for r, c in enumerate(codes) if c]
-        if bad:
-            raise _ERRORS[codes[bad[0]] - 1](f"rank {bad[0]} refused this call (see its error);"
-                                             " no rank changed anything")
+        mine = f"; this rank found: {err}" if err is not None else ""
+        raise _ERRORS[kind - 1](f"rank {first} refused this call ({_ERRORS[kind - 1].__name__});"
+                                f" no rank changed anything{mine}")
 
     # -- rounds ---------------------------------------------------------------------------
     def begin_round(self) -> None:

@@ -90,6 +90,9 @@ class EqualityReport:
     gpu_slots: int = 0
     promotions_per_step: list[int] = field(default_factory=list)
     spills_per_step: list[int] = field(default_factory=list)
+    # per step, summed over groups: any counter of the cache's stats (TP: peer_fetches,
+    # buffer_hits, buffer_evictions, ...)
+    moved_per_step: dict[str, list[int]] = field(default_factory=dict)
     mismatches: list[tuple[int, str]] = field(default_factory=list)
     hit_rate: float = 0.0
 
@@ -164,6 +167,11 @@ def run_equality(geom: ModelGeometry, config: UlaCacheConfig, prompt_lens: list[
                                               if k.endswith("_promotions")))
         report.spills_per_step.append(sum(after[k] - before[k] for k in after
                                           if k.endswith("_spills")))
+        for k in after:
+            if k.startswith("group"):
+                name = k.split("_", 1)[1]
+                moved = report.moved_per_step.setdefault(name, [0] * n_steps)
+                moved[step] += after[k] - before[k]
         tokens = a.logits.argmax(-1).tolist()
         cache.check_integrity()
     report.steps = n_steps

@@ -1,6 +1,7 @@
 """``ulacache`` command line: replay traces through the core, record and inspect traces.
 
     ulacache replay [TRACE]                 # default: the bundled real trace
+    ulacache replay --mode tp --tp-size 4   # the same through 4 ranks striping one space
     ulacache trace record TEXT -o OUT       # real top-k selections of SmolLM2 over a text
     ulacache trace stats TRACE              # locality figures and LRU / PB-LRU hit rates
 
@@ -85,6 +86,20 @@ def _replay(args: argparse.Namespace) -> int:
         raise CliError(f"--steps {args.steps} exceeds the {trace.steps} steps of trace {path}")
     from ulacache.pblru import POLICIES
 
+    if args.mode == "tp":
+        from .replay_tp import format_tp_results, replay_tp
+
+        t0 = time.perf_counter()
+        res = replay_tp(trace, tp_size=args.tp_size, requests=args.requests, steps=args.steps,
+                        layers=layers, gpu_slots=args.gpu_slots, cpu_slots=args.cpu_slots,
+                        buffer_slots=args.buffer_slots, layout=args.layout,
+                        n_buckets=args.buckets)
+        logger.info("TP replay: %.1f s", time.perf_counter() - t0)
+        print(json.dumps({"trace": str(path), "mode": "tp", **res.to_dict()}) if args.json
+              else format_tp_results(trace, res))
+        return 0
+    if args.tp_size != 1 or args.buffer_slots is not None:
+        raise CliError("--tp-size and --buffer-slots are for --mode tp")
     results = []
     for policy in POLICIES:  # every registered policy, on the same selections
         t0 = time.perf_counter()
@@ -164,6 +179,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="CPU slots per group (default: the rest of the live history)")
     rp.add_argument("--layout", default="fp8", choices=["fp8", "bf16"])
     rp.add_argument("--buckets", type=_int_at_least(2), default=64, help="PB-LRU recent buckets")
+    rp.add_argument("--mode", default="dp", choices=["dp", "tp"],
+                    help="dp: one rank, every policy; tp: P ranks striping one address space")
+    rp.add_argument("--tp-size", type=_int_at_least(1), default=1,
+                    help="TP mode: ranks (2, 4 or 8; must divide the 64-token page)")
+    rp.add_argument("--buffer-slots", type=_int_at_least(1), default=None,
+                    help="TP mode: local buffer rows per rank and group (default requests x "
+                    "(k + 1))")
     rp.add_argument("--json", action="store_true")
     rp.set_defaults(func=_replay)
 

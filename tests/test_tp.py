@@ -1,0 +1,319 @@
+"""TP mode (ulacache.tp): a striped address space over P simulated ranks (threads sharing
+memory through :class:`ulacache.ipc.ThreadPeers`; the spawned-process runs over gloo and
+shared memory are in tests/test_tp_processes.py).
+
+- the reference DSA-MLA model decoding through every rank's share gives bit-identical
+  logits, attention outputs, top-k and tokens to a fully resident single-rank run, with pools
+  and buffers small enough that promotions, spills, buffer evictions and peer reads happen on
+  every step;
+- per-rank pool memory is 1/P of the replicated layout (from the allocated tensors);
+- a stateful test across ranks: random place / access / write / release (abort) / round
+  sequences keep every rank's invariants and every live address reads back its last bytes
+  from every rank; refused calls change nothing on any rank.
+"""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from ulacache.cache import UlaCache
+from ulacache.config import UlaCacheConfig
+from ulacache.errors import AddressError, CapacityExhausted, ShapeError
+from ulacache.ipc import ThreadHub, run_ranks
+from ulacache.oracle.driver import run_equality
+from ulacache.oracle.refmodel import ModelGeometry
+from ulacache.tp import TP_COUNTERS, TPAddressSpace
+
+PROMPTS = [150, 90, 40, 120]
+
+
+def tp_config(geom: ModelGeometry, P: int, **kw) -> UlaCacheConfig:
+    """Per rank: a GPU pool well under half of the rank's live history, a buffer far smaller
+    than the peers' history (evictions every step)."""
+    base = dict(layout="tiny", row_bytes=geom.row_bytes, n_layers=geom.n_layers,
+                layers_per_group=geom.layers_per_indexer, gpu_slots=max(160 // P, 56),
+                cpu_slots=640 // P, page_size=64, max_requests=8, n_buckets=4, tp_size=P,
+                buffer_slots=128)
+    return UlaCacheConfig(**{**base, **kw})
+
+
+def assert_busy_equal(reports, P: int, n_steps: int, live_per_rank_floor: float) -> None:
+    for rank, rep in enumerate(reports):
+        assert rep.identical, (rank, rep.mismatches[:5])
+        assert rep.steps == n_steps
+        moved = rep.moved_per_step
+        for what in ("promotions", "peer_fetches", "buffer_evictions"):
+            assert all(v > 0 for v in moved[what]), (rank, what, moved[what])
+        assert sum(moved["spills"]) > 0 and sum(moved["buffer_hits"]) > 0
+        assert rep.gpu_slots < live_per_rank_floor / 2  # own pool under half the rank's share
+        for k in ("access_overflow", "place_overflow", "invalid", "peer_missing",
+                  "buffer_overflow"):
+            assert sum(moved[k]) == 0, (rank, k)
+
+
+@pytest.mark.parametrize("layers_per_indexer", [1, 2], ids=["per-layer", "shared"])
+@pytest.mark.parametrize("layout", ["bf16", "fp8"])
+def test_tp2_threads_decode_equals_resident(layout, layers_per_indexer):
+    geom = ModelGeometry.tiny(layout=layout, layers_per_indexer=layers_per_indexer)
+    cfg = tp_config(geom, 2)
+    steps = 16
+    reports = run_ranks(2, lambda peers: run_equality(geom, cfg, PROMPTS, steps, peers=peers))
+    assert_busy_equal(reports, 2, steps, (sum(PROMPTS) + 4 * steps) / 2)
+
+
+def test_tp8_threads_replicated_indexer_decode_equals_resident():
+    """P = 8 (the mission's TP8), replicated indexer keys (``shard_indexer`` off)."""
+    geom = ModelGeometry.tiny(layout="fp8", layers_per_indexer=2)
+    cfg = tp_config(geom, 8, gpu_slots=32, cpu_slots=64, buffer_slots=160,
+                    shard_indexer=False)
+    steps = 6
+    reports = run_ranks(8, lambda peers: run_equality(geom, cfg, PROMPTS, steps, peers=peers))
+    for rep in reports:
+        assert rep.identical, rep.mismatches[:5]
+        assert all(v > 0 for v in rep.moved_per_step["peer_fetches"])
+
+
+# -- memory --------------------------------------------------------------------------------
+@pytest.mark.parametrize("P", [2, 4, 8])
+def test_per_rank_pool_memory_is_one_pth_of_replicated(P):
+    """Replicated TP (SGLang today): every rank holds every token's row, ``N`` rows per layer.
+    Striped: each rank holds ``N / P`` (GPU + CPU slots), plus the fixed buffer and two scratch
+    rows; asserted from the tensors each rank allocated."""
+    N, rb, layers = 4096, 80, 4
+    cfg = UlaCacheConfig(layout="tiny", row_bytes=rb, n_layers=layers, layers_per_group=2,
+                         gpu_slots=N // P // 4, cpu_slots=N // P - N // P // 4, page_size=64,
+                         tp_size=P, buffer_slots=64)
+    replicated = N * rb * layers
+
+    def body(peers):
+        space = TPAddressSpace(cfg, peers, n_logical=N)
+        pools = sum(g.pools.gpu.numel() + g.pools.cpu.numel() for g in space.groups)
+        scratch = 2 * rb * layers  # one scratch row per tier per layer
+        storage = sum(s.numel() for s in space.storage)
+        buffer = cfg.buffer_slots * rb * layers
+        return pools - scratch, storage - (cfg.gpu_slots + 1) * rb * layers, buffer
+
+    for unique, buffer_bytes, buffer in run_ranks(P, body):
+        assert unique * P == replicated
+        assert buffer_bytes == buffer  # the rest of the attention tensor is the buffer
+
+
+# -- bad input refused on every rank -----------------------------------------------------------
+def test_refusals_reach_every_rank_and_change_nothing():
+    cfg = UlaCacheConfig(layout="tiny", row_bytes=16, n_layers=2, gpu_slots=4, cpu_slots=4,
+                         page_size=2, max_requests=4, n_buckets=2, tp_size=2, buffer_slots=4)
+
+    def body(peers):
+        space = TPAddressSpace(cfg, peers, n_logical=32)
+        space.begin_round()
+        space.place(torch.arange(8))
+        errors = []
+        for call in (lambda: space.place(torch.tensor([40])),           # out of range
+                     lambda: space.place(torch.arange(8, 18)),          # no room this round
+                     lambda: space.plan(0, torch.tensor([[9, 1]])),     # 9 never placed
+                     lambda: space.release(torch.tensor([1, 1])),       # duplicate
+                     lambda: space.plan(0, torch.tensor([1, 2])),       # not [bs, k]
+                     lambda: space.load(0) if False else space.load(7)):  # no such layer
+            try:
+                call()
+            except (AddressError, CapacityExhausted, ShapeError) as e:
+                errors.append(type(e).__name__)
+        live = torch.zeros(32, dtype=torch.bool)
+        live[:8] = True
+        space.check_integrity(live)
+        space.check_placed(live)
+        return errors
+
+    results = run_ranks(2, body)
+    assert results[0] == results[1] == ["AddressError", "CapacityExhausted", "AddressError",
+                                        "AddressError", "ShapeError", "ShapeError"]
+
+
+# -- stateful, across ranks --------------------------------------------------------------------
+class Ranks:
+    """P simulated ranks driven in lockstep: ``run(fn)`` calls ``fn(rank)`` on every rank at
+    once (one thread each, as collectives require) and returns the results in rank order."""
+
+    def __init__(self, P: int, cfg: UlaCacheConfig, n_logical: int):
+        self.P = P
+        self.hub = ThreadHub(P, timeout=30)
+        self.pool = ThreadPoolExecutor(max_workers=P)
+        peers = [self.hub.peers(r) for r in range(P)]
+        self.spaces = self.run(lambda r: TPAddressSpace(cfg, peers[r], n_logical=n_logical),
+                               raw=True)
+
+    def run(self, fn, raw: bool = False):
+        futures = [self.pool.submit(fn, r if raw else self.spaces[r]) for r in range(self.P)]
+        out, errs = [], []
+        for f in futures:
+            try:
+                out.append(f.result(timeout=60))
+            except Exception as e:  # noqa: BLE001 -- compared across ranks by the caller
+                out.append(e)
+                errs.append(e)
+        if errs and len(errs) != self.P:
+            self.hub.abort()
+            raise AssertionError(f"only some ranks raised: {out}")
+        return out
+
+    def close(self):
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+class TPMachine(RuleBasedStateMachine):
+    """Every rank's share of one striped address space against a dict of bytes.
+
+    Small pools (G = 6, C = 10, B = 5 per rank) so that promotions, spills, buffer evictions
+    and refusals are frequent; addresses are global, in one range of ``n_logical``.
+    """
+
+    N = 48
+    LAYERS = 2
+    RB = 16
+
+    @initialize(P=st.sampled_from([2, 4]), shared=st.booleans(), validate=st.just(True),
+                seed=st.integers(0, 2**16))
+    def setup(self, P, shared, validate, seed):
+        self.cfg = UlaCacheConfig(layout="tiny", row_bytes=self.RB, n_layers=self.LAYERS,
+                                  layers_per_group=2 if shared else 1, gpu_slots=6,
+                                  cpu_slots=10, page_size=4, n_buckets=2, tp_size=P,
+                                  buffer_slots=5, validate=validate)
+        self.P = P
+        self.ranks = Ranks(P, self.cfg, self.N)
+        self.rng = random.Random(seed)
+        self.truth: dict[int, list[bytes]] = {}  # live address -> bytes per layer
+        self.ops = 0
+
+    def teardown(self):
+        if hasattr(self, "ranks"):
+            self.ranks.close()
+
+    def _rows(self, n):
+        return torch.randint(0, 256, (n, self.RB), dtype=torch.uint8,
+                             generator=torch.Generator().manual_seed(self.rng.randrange(2**31)))
+
+    def _same(self, results):
+        kinds = {type(r).__name__ for r in results}
+        assert len(kinds) == 1, f"ranks disagree: {results}"
+        return results[0]
+
+    @rule()
+    def new_round(self):
+        self.ranks.run(lambda s: s.begin_round())
+
+    @rule(n=st.integers(1, 8))
+    def place(self, n):
+        free = [a for a in range(self.N) if a not in self.truth]
+        if not free:
+            return
+        addrs = torch.tensor(self.rng.sample(free, min(n, len(free))))
+        rows = [self._rows(addrs.numel()) for _ in range(self.LAYERS)]
+
+        def op(s):
+            s.place(addrs)
+            for layer in range(self.LAYERS):
+                s.write(layer, addrs, rows[layer])
+        res = self._same(self.ranks.run(op))
+        if isinstance(res, CapacityExhausted):
+            return  # refused on every rank; the invariant checks that nothing changed
+        assert not isinstance(res, Exception), res
+        for i, a in enumerate(addrs.tolist()):
+            self.truth[a] = [bytes(rows[layer][i].tolist()) for layer in range(self.LAYERS)]
+        self.ops += 1
+
+    @rule(n=st.integers(1, 4))
+    def rewrite(self, n):
+        if not self.truth:
+            return
+        addrs = torch.tensor(self.rng.sample(sorted(self.truth), min(n, len(self.truth))))
+        layer = self.rng.randrange(self.LAYERS)
+        rows = self._rows(addrs.numel())
+        self._same(self.ranks.run(lambda s: s.write(layer, addrs, rows)))
+        for i, a in enumerate(addrs.tolist()):
+            self.truth[a][layer] = bytes(rows[i].tolist())
+
+    @rule(bs=st.integers(1, 3), k=st.integers(1, 5), pad=st.booleans())
+    def access(self, bs, k, pad):
+        if not self.truth:
+            return
+        live = sorted(self.truth)
+        sel = torch.tensor([[self.rng.choice(live) if not (pad and self.rng.random() < 0.2)
+                             else -1 for _ in range(k)] for _ in range(bs)])
+        groups = len(self.ranks.spaces[0].groups)
+        gi = self.rng.randrange(groups)
+        layers = self.ranks.spaces[0].groups[gi].layers
+
+        def op(s):
+            rows = s.access(gi, sel)
+            return rows, [s.attn_rows(layer)[rows.clamp(min=0).long()] for layer in layers]
+        res = self.ranks.run(op)
+        if isinstance(res[0], CapacityExhausted):
+            self._same(res)
+            return
+        for rows, got in res:
+            assert not isinstance(rows, Exception), rows
+            assert torch.equal(rows < 0, sel < 0), "padding must stay padding and only it"
+            for li, layer in enumerate(layers):
+                for (b, j), a in zip(torch.cartesian_prod(torch.arange(bs), torch.arange(k))
+                                     .tolist(), sel.reshape(-1).tolist()):
+                    if a >= 0:
+                        assert bytes(got[li][b, j].tolist()) == self.truth[a][layer], \
+                            f"address {a} layer {layer} read wrong bytes"
+        self.ops += 1
+
+    @rule(n=st.integers(1, 6), dup=st.booleans())
+    def release(self, n, dup):
+        """Finish or abort: some live and some never-placed addresses (engines free whole
+        pages); a duplicate must be refused on every rank with nothing changed."""
+        pick = self.rng.sample(range(self.N), n)
+        if dup:
+            pick.append(pick[0])
+        res = self._same(self.ranks.run(lambda s: s.release(torch.tensor(pick))))
+        if dup:
+            assert isinstance(res, AddressError), res
+            return
+        assert not isinstance(res, Exception), res
+        for a in pick:
+            self.truth.pop(a, None)
+
+    @invariant()
+    def every_rank_consistent(self):
+        if not hasattr(self, "ranks"):
+            return
+        live = torch.zeros(self.N, dtype=torch.bool)
+        live[list(self.truth)] = True
+        addrs = torch.tensor(sorted(self.truth) or [-1])
+
+        def op(s):
+            s.check_integrity(live)
+            s.check_placed(live)
+            return [s.read(layer, addrs) for layer in range(self.LAYERS)]
+        for res in self.ranks.run(op):
+            assert not isinstance(res, Exception), res
+            for layer in range(self.LAYERS):
+                for i, a in enumerate(addrs.tolist()):
+                    if a >= 0:
+                        assert bytes(res[layer][i].tolist()) == self.truth[a][layer]
+
+
+TPMachine.TestCase.settings = settings(max_examples=12, stateful_step_count=40, deadline=None)
+test_tp_stateful = TPMachine.TestCase
+
+
+def test_tp_counters_named_in_stats():
+    geom = ModelGeometry.tiny()
+    cfg = tp_config(geom, 2)
+
+    def body(peers):
+        cache = UlaCache(cfg, peers=peers, layer_groups=geom.selection_groups())
+        return cache.stats()
+    stats = run_ranks(2, body)[0]
+    for name in TP_COUNTERS:
+        assert f"group0_{name}" in stats
