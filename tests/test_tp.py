@@ -170,7 +170,7 @@ class Ranks:
 class TPMachine(RuleBasedStateMachine):
     """Every rank's share of one striped address space against a dict of bytes.
 
-    Small pools (G = 6, C = 10, B = 5 per rank) so that promotions, spills, buffer evictions
+    Small pools (G = 6, C = 10, B = 7 per rank) so that promotions, spills, buffer evictions
     and refusals are frequent; addresses are global, in one range of ``n_logical``.
     """
 
@@ -184,7 +184,7 @@ class TPMachine(RuleBasedStateMachine):
         self.cfg = UlaCacheConfig(layout="tiny", row_bytes=self.RB, n_layers=self.LAYERS,
                                   layers_per_group=2 if shared else 1, gpu_slots=6,
                                   cpu_slots=10, page_size=4, n_buckets=2, tp_size=P,
-                                  buffer_slots=5, validate=validate)
+                                  buffer_slots=7, validate=validate)
         self.P = P
         self.ranks = Ranks(P, self.cfg, self.N)
         self.rng = random.Random(seed)
@@ -243,7 +243,8 @@ class TPMachine(RuleBasedStateMachine):
     def access(self, bs, k, pad):
         if not self.truth:
             return
-        live = sorted(self.truth)
+        # a few addresses per step, so duplicates (within and across rows) are common
+        live = self.rng.sample(sorted(self.truth), min(len(self.truth), self.rng.randint(1, 6)))
         sel = torch.tensor([[self.rng.choice(live) if not (pad and self.rng.random() < 0.2)
                              else -1 for _ in range(k)] for _ in range(bs)])
         groups = len(self.ranks.spaces[0].groups)
