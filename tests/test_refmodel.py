@@ -261,3 +261,17 @@ def test_store_protocol_steps_and_errors() -> None:
     model.free(0)
     store.free(0)
     assert model.length(0) == 0 and store.nbytes() == 0
+
+
+def test_indexer_scores_of_a_key_shard_are_bit_identical_to_the_full_columns() -> None:
+    """A TP rank scoring only its own keys (``j mod P == rank``) must get exactly the values
+    of those columns of the full scores: the sharded top-k is then exact."""
+    g = torch.Generator().manual_seed(1)
+    for length in (5, 37, 300, 1001):
+        q, w = torch.randn(4, 3, 16, generator=g), torch.randn(4, 3, generator=g)
+        keys = torch.randn(length, 16, generator=g)
+        full = indexer_scores(q, w, keys)
+        for P in (2, 4, 8):
+            for rank in range(P):
+                assert torch.equal(indexer_scores(q, w, keys[rank::P].contiguous()),
+                                   full[:, rank::P])

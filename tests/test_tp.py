@@ -66,6 +66,9 @@ def test_tp2_threads_decode_equals_resident(layout, layers_per_indexer):
     steps = 16
     reports = run_ranks(2, lambda peers: run_equality(geom, cfg, PROMPTS, steps, peers=peers))
     assert_busy_equal(reports, 2, steps, (sum(PROMPTS) + 4 * steps) / 2)
+    # sharded indexer: each rank held and scored its own half of the index keys
+    assert sum(r.index_keys_held for r in reports) == reports[0].index_keys_full
+    assert all(r.index_keys_held * 2 == r.index_keys_full for r in reports)
 
 
 def test_tp8_threads_replicated_indexer_decode_equals_resident():
@@ -78,6 +81,7 @@ def test_tp8_threads_replicated_indexer_decode_equals_resident():
     for rep in reports:
         assert rep.identical, rep.mismatches[:5]
         assert all(v > 0 for v in rep.moved_per_step["peer_fetches"])
+        assert rep.index_keys_held == rep.index_keys_full  # replicated keys
 
 
 # -- memory --------------------------------------------------------------------------------
@@ -318,3 +322,92 @@ def test_tp_counters_named_in_stats():
     stats = run_ranks(2, body)[0]
     for name in TP_COUNTERS:
         assert f"group0_{name}" in stats
+
+
+# -- plan reuse, engine-owned storage, metrics --------------------------------------------------
+def _small(P=2, **kw):
+    base = dict(layout="tiny", row_bytes=16, n_layers=2, layers_per_group=2, gpu_slots=8,
+                cpu_slots=8, page_size=4, n_buckets=2, tp_size=P, buffer_slots=8)
+    return UlaCacheConfig(**{**base, **kw})
+
+
+def test_plan_once_per_group_each_layer_moves_only_its_bytes():
+    """A shared group of 2 layers: after ``plan`` no peer byte has moved; ``load(0)`` fills
+    layer 0's buffer rows only, ``load(1)`` layer 1's; the rows are the owner's."""
+    cfg = _small()
+
+    def body(peers):
+        s = TPAddressSpace(cfg, peers, n_logical=32)
+        s.begin_round()
+        addrs = torch.arange(8)
+        s.place(addrs)
+        for layer in (0, 1):
+            s.write(layer, addrs, (addrs * 10 + layer).to(torch.uint8).view(-1, 1)
+                    .expand(-1, 16).contiguous())
+        for b in s.buffers:  # forget the copies made at placement: force peer reads
+            b.drop(torch.arange(33))
+        s.storage[0][:, cfg.gpu_slots + 1:] = 0  # and their bytes
+        s.begin_round()
+        rows = s.plan(0, addrs.view(2, 4))
+        theirs = (addrs % 2 != peers.rank).view(2, 4)
+        assert bool((rows[theirs] > cfg.gpu_slots).all())  # in the buffer region
+        peer_rows = rows[theirs].long()
+        before = [s.attn_rows(layer)[peer_rows].clone() for layer in (0, 1)]
+        assert all(bool((b == 0).all()) for b in before)
+        want = [(addrs.view(2, 4)[theirs] * 10 + layer).to(torch.uint8) for layer in (0, 1)]
+        s.load(0)
+        assert torch.equal(s.attn_rows(0)[peer_rows][:, 0], want[0])
+        assert bool((s.attn_rows(1)[peer_rows] == 0).all()), "layer 1 moved by layer 0's load"
+        s.load(1)
+        assert torch.equal(s.attn_rows(1)[peer_rows][:, 0], want[1])
+        c = s.counters()[0]
+        return c["peer_fetches"], c["own_rows"], c["selected"]
+    for fetches, own, selected in run_ranks(2, body):
+        assert (fetches, own, selected) == (4, 4, 8)
+
+
+def test_engine_owned_storage_with_a_row_offset():
+    """SGLang's kv_buffer carries a 64-row sink page first: the striped space works on rows
+    [offset, offset + G + 1 + B) of an engine tensor shared through the peers."""
+    cfg = _small(layers_per_group=1)
+    off, total = 64, 64 + 8 + 1 + 8 + 7
+
+    def body(peers):
+        storage = [(f"kv{g}", peers.alloc_shared(f"kv{g}", (1, total, 16), torch.uint8))
+                   for g in range(2)]
+        s = TPAddressSpace(cfg, peers, n_logical=32, storage=storage, row_offset=off)
+        s.begin_round()
+        addrs = torch.arange(6)
+        s.place(addrs)
+        rows_in = torch.randint(0, 256, (6, 16), dtype=torch.uint8,
+                                generator=torch.Generator().manual_seed(3))
+        s.write(0, addrs, rows_in)
+        for b in s.buffers:
+            b.drop(torch.arange(33))
+        s.begin_round()
+        rows = s.access(0, addrs.view(1, 6))
+        got = storage[0][1][0, off + rows.view(-1).long()]
+        assert torch.equal(got, rows_in)
+        assert bool((storage[0][1][0, :off] == 0).all()), "the sink page was written"
+        return True
+    assert run_ranks(2, body) == [True, True]
+
+
+def test_tp_prometheus_text_has_the_gate_counters():
+    from ulacache.metrics import prometheus_text
+    cfg = _small()
+
+    def body(peers):
+        s = TPAddressSpace(cfg, peers, n_logical=32)
+        s.begin_round()
+        s.place(torch.arange(8))
+        s.access(0, torch.arange(8).view(2, 4))
+        s.begin_round()  # polls the counters (CPU: immediately)
+        return prometheus_text(s), s.counters()[0]
+    for rank, (text, c) in enumerate(run_ranks(2, body)):
+        assert f'ulacache_tp_own_rows_total{{group="0",rank="{rank}"}} {float(c["own_rows"])}' \
+            in text
+        assert f'ulacache_tp_buffer_hits_total{{group="0",rank="{rank}"}} 4.0' in text
+        assert f'ulacache_tp_buffer_used_slots{{group="0",rank="{rank}"}} 4.0' in text
+        assert f'ulacache_tp_peer_bytes_total{{group="0",rank="{rank}"}} 0.0' in text
+        assert 'ulacache_placed_total{group="0"} 4.0' in text

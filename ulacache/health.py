@@ -38,11 +38,21 @@ _WHAT = {
 }
 
 
-class CounterMonitor:
-    """Snapshots of every group's counters (and the occupancy they imply), taken without host
-    sync. ``table``: the address space's ``int64 [groups, len(COUNTERS)]`` counter table."""
+def _occupancy_columns(values: dict[str, int]) -> dict[str, int]:
+    return dict(zip(OCCUPANCY, occupancy(values)))
 
-    def __init__(self, table: torch.Tensor):
+
+class CounterMonitor:
+    """Snapshots of every group's counters (and the columns derived from them), taken without
+    host sync. ``table``: an ``int64 [groups, len(names)]`` counter table (default: the
+    address space's, :data:`ulacache.group.COUNTERS`, with the occupancy derived); TP mode
+    monitors its gate counters with its own ``names``, ``overflows`` and warning texts."""
+
+    def __init__(self, table: torch.Tensor, names: tuple[str, ...] = COUNTERS,
+                 overflows: tuple[str, ...] = OVERFLOWS, what: dict[str, str] | None = None,
+                 derive=_occupancy_columns):
+        self.names, self.overflows, self.what = names, overflows, what or _WHAT
+        self.derive = derive
         self.table, self.device = table, table.device
         self._pending: torch.cuda.Event | None = None
         self._host = torch.zeros(table.shape, dtype=torch.int64,
@@ -78,17 +88,18 @@ class CounterMonitor:
         counters plus ``gpu_used`` / ``cpu_used``."""
         out = []
         for row in self._last.tolist():
-            values = dict(zip(COUNTERS, row))
-            out.append({**values, **dict(zip(OCCUPANCY, occupancy(values)))})
+            values = dict(zip(self.names, row))
+            out.append({**values, **(self.derive(values) if self.derive else {})})
         return out
 
     def _report(self, rows: torch.Tensor) -> None:
         rows = rows.to("cpu", torch.int64, copy=True)  # never alias the live table
         grew = rows - self._last
         for gi, row in enumerate(grew.tolist()):
-            for name in OVERFLOWS:
-                delta = row[COUNTERS.index(name)]
+            for name in self.overflows:
+                delta = row[self.names.index(name)]
                 if delta > 0:
                     self.warnings += 1
-                    logger.warning("ulacache: selection group %d: %d %s", gi, delta, _WHAT[name])
+                    logger.warning("ulacache: selection group %d: %d %s", gi, delta,
+                                   self.what[name])
         self._last = rows

@@ -30,6 +30,19 @@ HELP = {
 }
 
 
+TP_HELP = {
+    "selected": "distinct selected rows (TP: every rank reads every selected row)",
+    "own_rows": "selected rows this rank owns, read in place from its pool",
+    "buffer_hits": "peers' selected rows already in this rank's buffer (no transfer)",
+    "peer_fetches": "peers' rows copied owner GPU -> this rank's buffer",
+    "peer_missing": "peers' rows their owner could not serve, read as padding (must be 0)",
+    "buffer_overflow": "peers' rows with no buffer slot, read as padding (must be 0)",
+    "new_buffered": "new rows of peers copied into the buffer as they were written",
+    "buffer_evictions": "buffer copies evicted to make room (the owner keeps the row)",
+    "buffer_drops": "buffer copies dropped because their address was released",
+}
+
+
 class UlaCacheCollector:
     """A prometheus_client collector over one :class:`AddressSpace` (and, optionally, the
     reserved-token gauge of a request ledger)."""
@@ -60,11 +73,38 @@ class UlaCacheCollector:
             for gi, row in zip(groups, snap):
                 fam.add_metric([gi], row[f"{tier}_used"])
             yield fam
+        warnings = self.space.health.warnings
+        tp = getattr(self.space, "tp_health", None)
+        if tp is not None:
+            yield from self._collect_tp(tp.snapshot(), groups, rb)
+            warnings += tp.warnings
         yield GaugeMetricFamily(f"{p}_overflow_warnings", "overflow warnings logged so far",
-                                value=self.space.health.warnings)
+                                value=warnings)
         if self.reserved_tokens is not None:
             yield GaugeMetricFamily(f"{p}_reserved_tokens", "tokens charged by admitted requests",
                                     value=self.reserved_tokens())
+
+
+    def _collect_tp(self, snap: list[dict[str, int]], groups: list[str], rb: int
+                    ) -> Iterator[Metric]:
+        """TP mode: the gate counters of this rank (label ``rank``), peer bytes, buffer use."""
+        p, rank = self.prefix, str(self.space.rank)
+        for name, text in TP_HELP.items():
+            fam = CounterMetricFamily(f"{p}_tp_{name}", text, labels=["group", "rank"])
+            for gi, row in zip(groups, snap):
+                fam.add_metric([gi, rank], row[name])
+            yield fam
+        fam = CounterMetricFamily(f"{p}_tp_peer_bytes", "row bytes copied from peers' GPU pools "
+                                  "into this rank's buffer (NVLink), all layers of the group",
+                                  labels=["group", "rank"])
+        for gi, g, row in zip(groups, self.space.groups, snap):
+            fam.add_metric([gi, rank], row["peer_fetches"] * rb * len(g.layers))
+        yield fam
+        fam = GaugeMetricFamily(f"{p}_tp_buffer_used_slots", "buffer slots holding a copy",
+                                labels=["group", "rank"])
+        for gi, row in zip(groups, snap):
+            fam.add_metric([gi, rank], row["buffer_used"])
+        yield fam
 
 
 def prometheus_text(space: AddressSpace, reserved_tokens=None, prefix: str = "ulacache") -> str:

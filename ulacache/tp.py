@@ -42,6 +42,7 @@ from .address import local_position, owner_rank
 from .buffer import LocalBuffer
 from .config import UlaCacheConfig
 from .errors import AddressError, CapacityExhausted, ShapeError, UlaCacheError
+from .health import CounterMonitor
 from .pools import resolve_device
 from .space import AddressSpace
 
@@ -61,6 +62,24 @@ TP_COUNTERS = ("selected", "own_rows", "buffer_hits", "peer_fetches", "peer_miss
   copies evicted to make room (their owner keeps the row); ``buffer_drops``: copies dropped
   because their address was released.
 """
+
+TP_OVERFLOWS = ("peer_missing", "buffer_overflow")
+_TP_WHAT = {
+    "peer_missing": "peers' row(s) their owner could not make GPU-resident (the owner's "
+                    "access_overflow) were served as padding; enlarge gpu_slots",
+    "buffer_overflow": "peers' row(s) found no buffer slot this round (every slot held a row "
+                       "read or written this round) and were served as padding, or a new row "
+                       "was left to its owner; enlarge buffer_slots to a step's distinct peer "
+                       "rows plus the round's new rows",
+}
+
+
+def buffer_used(values: dict[str, int]) -> dict[str, int]:
+    """Buffer slots holding a copy, derived from a group's TP counters (every claim is a new
+    row's copy or a fetch; evictions and drops free one)."""
+    return {"buffer_used": values["new_buffered"] + values["peer_fetches"]
+            - values["buffer_evictions"] - values["buffer_drops"]}
+
 
 _ERRORS = (ShapeError, AddressError, CapacityExhausted, UlaCacheError)  # verdict order
 
@@ -145,6 +164,8 @@ class TPAddressSpace:
         self.tp_counters = torch.zeros(len(groups), len(TP_COUNTERS), dtype=torch.int64,
                                        device=self.device)
         self._plans: list[_Plan | None] = [None] * len(groups)
+        self.tp_health = CounterMonitor(self.tp_counters, TP_COUNTERS, TP_OVERFLOWS, _TP_WHAT,
+                                        derive=buffer_used)
         logger.info("ulacache TP rank %d/%d: %d local positions of %d addresses, %d GPU + %d "
                     "CPU + %d buffer rows per layer", self.rank, self.P, self.n_local,
                     n_logical, G, config.cpu_slots, B)
@@ -157,6 +178,11 @@ class TPAddressSpace:
     @property
     def stream(self):
         return self.local.stream
+
+    @property
+    def health(self) -> CounterMonitor:
+        """The DP counters' monitor of this rank's shard (``tp_health``: the TP gates')."""
+        return self.local.health
 
     def attn_rows(self, layer: int) -> torch.Tensor:
         """The tensor attention reads for ``layer``: ``uint8 [G + 1 + B, row_bytes]``."""
@@ -213,6 +239,8 @@ class TPAddressSpace:
             for b in self.buffers:
                 b.advance()
         self.local.begin_round()
+        with self.stream.scope():
+            self.tp_health.poll()
         self._plans = [None] * len(self.groups)
 
     @property

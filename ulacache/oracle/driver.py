@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -24,7 +23,7 @@ from ulacache.cache import UlaCache
 from ulacache.config import UlaCacheConfig
 from ulacache.errors import ShapeError
 
-from .refmodel import DecodeOutput, DSAMLAModel, ModelGeometry, ResidentStore
+from .refmodel import DecodeOutput, DSAMLAModel, IndexShard, ModelGeometry, ResidentStore
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +92,10 @@ class EqualityReport:
     # per step, summed over groups: any counter of the cache's stats (TP: peer_fetches,
     # buffer_hits, buffer_evictions, ...)
     moved_per_step: dict[str, list[int]] = field(default_factory=dict)
+    # index-key rows the ulacache run's model holds, and the resident run's (TP with
+    # shard_indexer: about 1/P of them)
+    index_keys_held: int = 0
+    index_keys_full: int = 0
     mismatches: list[tuple[int, str]] = field(default_factory=list)
     hit_rate: float = 0.0
 
@@ -107,20 +110,6 @@ def _compare(step: int, a: DecodeOutput, b: DecodeOutput, out: list[tuple[int, s
             out.append((step, name))
     if not torch.equal(a.logits.argmax(-1), b.logits.argmax(-1)):
         out.append((step, "chosen tokens"))
-
-
-def sharded_select(peers) -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]:
-    """The model's top-k as a TP rank computes it with a sharded indexer: it keeps only the
-    score columns of its own positions (``j mod P == rank``), takes a local top-k and merges
-    the ranks' candidates (:func:`ulacache.indexer.sharded_topk`). The reference model still
-    scores every column (its keys are replicated), so this checks the exchange and the merge,
-    not the index-key memory."""
-    from ulacache.indexer import shard_columns, sharded_topk
-
-    def select(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
-        local, positions = shard_columns(scores, peers.rank, peers.size)
-        return sharded_topk(local, positions, lengths, k, peers.all_gather)
-    return select
 
 
 def run_equality(geom: ModelGeometry, config: UlaCacheConfig, prompt_lens: list[int],
@@ -144,7 +133,8 @@ def run_equality(geom: ModelGeometry, config: UlaCacheConfig, prompt_lens: list[
     ula_store = UlaCacheStore(UlaCache(config, peers=peers,
                                        layer_groups=geom.selection_groups()))
     if config.tp_size > 1 and config.shard_indexer:
-        ula_model.select = sharded_select(peers)
+        # each rank keeps 1/P of the index keys, scores them, merges the candidates
+        ula_model.index_shard = IndexShard(peers.rank, peers.size, peers.all_gather)
     report = EqualityReport(requests=len(prompt_lens), gpu_slots=config.gpu_slots)
     reqs = list(range(len(prompt_lens)))
     tokens = []
@@ -175,6 +165,9 @@ def run_equality(geom: ModelGeometry, config: UlaCacheConfig, prompt_lens: list[
         tokens = a.logits.argmax(-1).tolist()
         cache.check_integrity()
     report.steps = n_steps
+    for model, field_name in ((ula_model, "index_keys_held"), (ref_model, "index_keys_full")):
+        setattr(report, field_name, sum(len(model.index_keys(r, g)) for r in reqs
+                                        for g in range(geom.n_groups)))
     report.live_history = sum(r.n_tokens for r in cache.requests.values())
     st = cache.stats()
     acc = sum(v for k, v in st.items() if k.endswith("_accesses"))

@@ -45,6 +45,7 @@ __all__ = [
     "rms_norm",
     "apply_rope",
     "indexer_scores",
+    "IndexShard",
     "select_topk",
     "sparse_mla_attention",
 ]
@@ -268,8 +269,13 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torc
     """``score[b, j] = sum_h w[b, h] * relu(q[b, h] . keys[j])``.
 
     q float32 ``[bs, H, d]``, w float32 ``[bs, H]``, keys float32 ``[L, d]`` -> ``[bs, L]``.
+
+    Each score is reduced on its own (elementwise products summed over ``d``, then over ``H``),
+    not through a matmul whose blocking depends on ``L``: scoring any subset of the keys (a TP
+    rank's shard) gives bit-identical values to the same columns of the full scores.
     """
-    return torch.einsum("bh,bhl->bl", w, torch.einsum("bhd,ld->bhl", q, keys).relu())
+    dots = (q[:, :, None, :] * keys[None, None, :, :]).sum(-1)
+    return (w[:, :, None] * dots.relu()).sum(1)
 
 
 def select_topk(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
@@ -307,6 +313,16 @@ def sparse_mla_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, latent: t
          + torch.einsum("bhe,bke->bhk", q_rope, k_rope)) * scale
     s = torch.where(valid[:, None, :], s, torch.full((), -math.inf))
     return torch.einsum("bhk,bkr->bhr", torch.softmax(s, dim=-1), c_kv)
+
+
+class IndexShard(NamedTuple):
+    """A TP rank's share of the indexer: it keeps the index keys of positions ``j`` with
+    ``j mod size == rank`` (1/P of the replicated keys), scores only those, and merges the
+    ranks' local top-k through ``all_gather`` (``Tensor -> Tensor [size, ...]``)."""
+
+    rank: int
+    size: int
+    all_gather: Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -368,6 +384,7 @@ class DSAMLAModel:
         self.lm_head = rand(g.hidden, g.vocab)
         # top-k of the indexer scores: TP mode swaps in the sharded merge (ulacache.indexer)
         self.select: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] = select_topk
+        self.index_shard: IndexShard | None = None  # TP: keep and score only own index keys
         self._lengths: dict[int, int] = {}
         self._index_keys: dict[int, list[torch.Tensor]] = {}  # req -> per group float32 [len, d]
         logger.debug("DSAMLAModel: %s, seed %d, %d params", g, seed, n_params)
@@ -469,8 +486,12 @@ class DSAMLAModel:
             attn_out[layer] = o
             h = h + o
         logits = rms_norm(h) @ self.lm_head
+        shard = self.index_shard
         for r in uniq:
             old = self._index_keys.get(r)
+            if shard is not None:  # a TP rank keeps the keys of its own positions only
+                own = torch.remainder(positions[sel[r]], shard.size) == shard.rank
+                new_keys[r] = [k[own] for k in new_keys[r]]
             self._index_keys[r] = [k if old is None else torch.cat((old[i], k))
                                    for i, k in enumerate(new_keys[r])]
             self._lengths[r] = self.length(r) + int(sel[r].sum())
@@ -489,16 +510,27 @@ class DSAMLAModel:
         q = torch.cat((apply_rope(q[..., :e], positions, g.rope_theta), q[..., e:]), -1)
         wts = x @ w.index_w
         width = int(positions.max()) + 1
-        scores = torch.full((n, width), -math.inf)
         group = len(new_keys[uniq[0]])
+        shard = self.index_shard
+        # columns scored: every position, or a TP rank's own (j mod P == rank)
+        cols = torch.arange(width) if shard is None else \
+            torch.arange(shard.rank, width, shard.size)
+        scores = torch.full((n, cols.numel()), -math.inf)
         for r in uniq:
             m = sel[r]
             old = self._index_keys.get(r)
-            keys = k_new[m] if old is None else torch.cat((old[group], k_new[m]))
+            fresh = k_new[m]
+            if shard is not None:
+                fresh = fresh[torch.remainder(positions[m], shard.size) == shard.rank]
+            keys = fresh if old is None else torch.cat((old[group], fresh))
             new_keys[r].append(k_new[m])
             s = indexer_scores(q[m], wts[m], keys)
             scores[m, : s.shape[1]] = s
         # A query at position p sees 0..p: later prompt positions of the same batch are masked.
         lengths = positions + 1
-        scores = scores.masked_fill(torch.arange(width)[None, :] >= lengths[:, None], -math.inf)
+        scores = scores.masked_fill(cols[None, :] >= lengths[:, None], -math.inf)
+        if shard is not None:
+            from ulacache.indexer import sharded_topk
+
+            return sharded_topk(scores, cols, lengths, g.index_topk, shard.all_gather), scores
         return self.select(scores, lengths, g.index_topk), scores
