@@ -38,3 +38,20 @@ def test_trace_misses_json_contract():
     assert set(misses) == {"lru", "pblru", "pblru_per_round"}
     # the recorded figures of docs/benchmarks.md for this layer
     assert misses == {"lru": 54, "pblru": 55, "pblru_per_round": 181}
+
+
+def test_tp_control_json_contract():
+    """Owner-held vs replicated control metadata: replication multiplies the ops and the
+    metadata by P (fixed-shape code), owner-held exchanges the int32 slot tables."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "tp_control.py"), "--json", "--tp", "2,4",
+         "--steps", "3", "--gpu-slots", "256"],
+        capture_output=True, text=True, check=True, timeout=300)
+    rows = json.loads(out.stdout)["rows"]
+    assert [r["P"] for r in rows] == [2, 4]
+    for r in rows:
+        o, p = r["owner"], r["replicated"]
+        assert p["ops_per_step"] == r["P"] * o["ops_per_step"] > 0
+        assert p["metadata_bytes"] == r["P"] * o["metadata_bytes"]
+        assert o["exchange_bytes"] == 2 * (r["P"] - 1) * r["bs"] * r["k"] * 4
+        assert o["ms_per_step"] > 0 and p["ms_per_step"] > 0

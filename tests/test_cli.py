@@ -185,3 +185,29 @@ def test_replay_table_on_a_fixture(capsys):
     rc, out, _ = _run(["replay", TYPING_TRACE, "--steps", "8", "--layers", "2",
                        "--requests", "1"], capsys)
     assert rc == 0 and out.startswith("trace typing.py") and "exact LRU" in out
+
+
+def test_replay_tp_json_on_the_bundled_trace(capsys):
+    """``--mode tp``: per-rank gate shares add up, a rank owns its 1/P of the selections,
+    every pool row is unique and the buffer's copies are the only duplicates."""
+    rc, out, _ = _run(["replay", "--mode", "tp", "--tp-size", "4", "--steps", "8", "--layers",
+                       "2", "--requests", "2", "--json"], capsys)
+    assert rc == 0
+    doc = json.loads(out)
+    assert doc["mode"] == "tp" and doc["tp_size"] == 4 and len(doc["ranks"]) == 4
+    for r in doc["ranks"]:
+        assert r["selected"] == r["buffer_hits"] + r["own_rows"] + r["peer_fetches"]
+        assert 0.15 < r["own_rows_share"] < 0.35 and r["peer_fetches"] > 0
+        assert r["unique_rows"] > 0 and 0 < r["unique_share"] < 1
+    rc, out, _ = _run(["replay", "--mode", "tp", "--tp-size", "2", "--steps", "4", "--layers",
+                       "1", "--requests", "1"], capsys)
+    assert rc == 0 and "paper's accounting" in out
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--tp-size", "2"], "--mode tp"),
+    (["--mode", "tp", "--tp-size", "3"], "tp_size"),
+    (["--mode", "tp", "--tp-size", "1"], "buffer_slots"),
+])
+def test_replay_tp_options_are_refused(capsys, argv, needle):
+    _assert_refused(_run(["replay", "--steps", "4", *argv], capsys), needle)

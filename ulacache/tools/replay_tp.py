@@ -49,6 +49,7 @@ class RankResult:
     peer_fetches: int
     peer_bytes_per_step: float  # peers' GPU pools -> this rank's buffer
     pcie_bytes_per_step: float  # promotions + write-backs + spills of this rank's rows
+    in_place_bytes_per_step: float  # own rows read in place: what a local copy would move
 
     @property
     def unique_share(self) -> float:
@@ -150,7 +151,8 @@ def replay_tp(trace: Trace, *, tp_size: int = 4, requests: int = 4, steps: int =
             peer_fetches=total("peer_fetches"),
             peer_bytes_per_step=total("peer_fetches") * rb / steps,
             pcie_bytes_per_step=(total("promotions") + total("writebacks") + total("spills"))
-            * rb / steps)
+            * rb / steps,
+            in_place_bytes_per_step=total("own_rows") * rb / steps)
 
     ranks = run_ranks(P, rank_main)
     return TPReplayResult(tp_size=P, steps=steps, requests=requests, groups=groups,
@@ -188,6 +190,9 @@ def format_tp_results(trace: Trace, res: TPReplayResult) -> str:
         f"{own:.1%}) and reads (P-1)/P = {(P - 1) / P:.1%} from peers, "
         f"{peer_pred / 1024:.1f} KB/step without a buffer; the buffer served {hit:.1%} "
         f"(measured {peer_kb:.1f} KB/step from peers)",
+        f"own rows are read in place (attention indexes one tensor [own pool | buffer]): "
+        f"{sum(r.in_place_bytes_per_step for r in res.ranks) / P / 1024:.1f} KB/step per rank "
+        "that a copy into the buffer would move, and buffer slots it would take",
         f"memory: every pool row is unique (held by its owner only); replicated TP holds each "
         f"row on all {P} ranks ({1 / P:.1%} unique); with the buffer's copies counted, "
         f"{min(r.unique_share for r in res.ranks):.1%} of the rows a rank holds are unique",
