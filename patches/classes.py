@@ -10,6 +10,10 @@ They keep HiSparse's constructor signatures and every method SGLang calls (see
 - coordinator (``sglang_coordinator.py``): staging, decode placement and the per-layer
   ``swap_in_selected_pages``.
 
+Each class builds its TP-mode subclass (``sglang_tp_pool.py``, ``sglang_tp_runtime.py``) when
+``--ulacache-config`` says ``"mode": "tp"``; TP mode's two hooks (sizing, sharded top-k;
+``sglang_tp_support.py``) are registered with the others and do nothing in DP mode.
+
 This module is what the plugin imports: the three classes and the extra hooks they need.
 """
 
@@ -20,6 +24,7 @@ from typing import Any
 from .sglang_allocator import UlaCacheTokenToKVPoolAllocator
 from .sglang_coordinator import UlaCacheCoordinator
 from .sglang_pool import UlaCacheDSATokenToKVPool, layer_groups_from_skip, sglang_options
+from .sglang_tp_support import TP_HOOKS
 
 __all__ = ["UlaCacheDSATokenToKVPool", "UlaCacheTokenToKVPoolAllocator", "UlaCacheCoordinator",
            "EXTRA_HOOKS", "layer_groups_from_skip", "sglang_options"]
@@ -46,5 +51,6 @@ EXTRA_HOOKS: dict[str, tuple[Any, str]] = {
         (_forward_extend_around, "around"),
     "sglang.srt.mem_cache.sparsity.factory.parse_hisparse_config":
         (_parse_hisparse_config_around, "around"),
+    **TP_HOOKS,
 }
 """Hooks the plugin registers with the class swaps when the ulacache backend is selected."""

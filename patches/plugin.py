@@ -167,6 +167,19 @@ def verify() -> None:
     verify_hooks(expected_hooks())
 
 
+def verify_tp() -> None:
+    """TP mode's start-up check (called by the TP pool): when the plugin installed the class
+    swaps in this process, the TP hooks must be registered and in effect, else
+    ``HookVerificationError``. Classes built directly (tests, tools) skip it."""
+    from ulacache.patches.verify import verify_tp_hooks  # noqa: PLC0415
+
+    hooks = expected_hooks()
+    if not any(h.target in CLASS_TARGETS for h in hooks):
+        logger.debug("ulacache: TP classes built without the plugin's class swaps")
+        return
+    verify_tp_hooks(hooks)
+
+
 def register() -> None:
     """Entry point run by SGLang's ``load_plugins()``: register, apply and verify the hooks."""
     from sglang.srt.plugins.hook_registry import HookRegistry  # noqa: PLC0415

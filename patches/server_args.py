@@ -65,8 +65,9 @@ _KV_BACKEND_HELP = (
 )
 _ULACACHE_CONFIG_HELP = (
     "UlaCache settings as a JSON object, read only with --kv-backend ulacache; keys and "
-    "defaults are defined by ulacache.config.SGLangOptions (mode, cpu_ratio, n_buckets, policy, "
-    'validate). Example: \'{"mode": "dp", "cpu_ratio": 4}\'.'
+    "defaults are defined by ulacache.config.SGLangOptions (mode dp|tp, cpu_ratio, n_buckets, "
+    "policy, validate; mode tp adds buffer_slots, shard_indexer). Example: "
+    '\'{"mode": "dp", "cpu_ratio": 4}\'.'
 )
 
 
@@ -135,6 +136,47 @@ def _illegal_raw_combinations(args: Any) -> list[str]:
     return problems
 
 
+TP_LEGAL = (
+    "mode 'tp': an attention-TP group of 2, 4 or 8 ranks (--tp, or --tp / --attn-dp-size with "
+    "attention DP), --pp-size 1, --attn-cp-size 1, SGLANG_DSA_TOPK_BROADCAST=1 in the "
+    "environment"
+)
+"""The legal TP-mode combination, as error messages state it."""
+
+
+def _illegal_tp_combinations(args: Any, config: dict[str, Any]) -> list[str]:
+    """Combinations ``--ulacache-config '{"mode": "tp"}'`` cannot serve (raw inputs).
+
+    TP mode stripes one address space over the ranks that run one batch in lockstep
+    (SGLang's ``get_dp_tp_group()``): their number ``P`` must divide the 64-token page (so a
+    token's owner follows its position) and be at most 8; pipeline stages and attention
+    context parallelism would split that group's work in ways the stripe does not model; and
+    every rank must select the same top-k (SGLang's rank-0 broadcast of the indexer output).
+    """
+    if args.kv_backend != "ulacache" or config.get("mode") != "tp":
+        return []
+    tp, adp = int(args.tp_size or 1), int(getattr(args, "attn_dp_size", 1) or 1)
+    problems = []
+    if int(getattr(args, "pp_size", 1) or 1) > 1:
+        problems.append(f"--pp-size {args.pp_size} (TP mode stripes one pipeline stage's "
+                        "attention-TP group only)")
+    if int(getattr(args, "attn_cp_size", 1) or 1) > 1:
+        problems.append(f"--attn-cp-size {args.attn_cp_size} (context-parallel attention "
+                        "splits tokens across the stripe's ranks)")
+    if adp > 1 and (tp % adp or tp // adp not in (2, 4, 8)):
+        problems.append(f"--attn-dp-size {adp} with --tp {tp} (each attention-DP group's TP "
+                        f"size --tp / --attn-dp-size must be 2, 4 or 8)")
+    elif adp == 1 and tp not in (2, 4, 8):
+        problems.append(f"--tp {tp} (TP mode stripes over 2, 4 or 8 ranks, a divisor of "
+                        "SGLang's 64-token page; use mode 'dp' for --tp 1)")
+    broadcast = os.environ.get("SGLANG_DSA_TOPK_BROADCAST", "").strip().lower()
+    if broadcast not in ("1", "true", "yes", "y"):
+        problems.append("SGLANG_DSA_TOPK_BROADCAST unset or false (every TP rank must select "
+                        "the same top-k, prefill included; launch with "
+                        "SGLANG_DSA_TOPK_BROADCAST=1)")
+    return problems
+
+
 class UlaServerArgs(_sglang_server_args.ServerArgs):
     """SGLang ``ServerArgs`` plus ``kv_backend`` and ``ulacache_config`` (namespace ``memory``)."""
 
@@ -161,14 +203,16 @@ class UlaServerArgs(_sglang_server_args.ServerArgs):
             self.ulacache_config = json.dumps(self.ulacache_config, sort_keys=True)
         config = parse_ulacache_config(self.ulacache_config)
         problems = _illegal_raw_combinations(self)
-        if problems:
+        tp_problems = _illegal_tp_combinations(self, config)
+        if problems or tp_problems:
             raise ConfigError(
                 f"--kv-backend {self.kv_backend} cannot be combined with: "
-                + "; ".join(problems)
+                + "; ".join(problems + tp_problems)
                 + ". Legal: --kv-backend hisparse|ulacache with --dcp-size 1 and without "
                 "--enable-kv-cache-sharding"
                 + (" or --use-ray; " if self.kv_backend == "ulacache" else "; ")
-                + "--ulacache-config only with --kv-backend ulacache."
+                + "--ulacache-config only with --kv-backend ulacache"
+                + (f"; {TP_LEGAL}." if tp_problems else ".")
             )
         if self.kv_backend == "ulacache":
             _validate_content(config)

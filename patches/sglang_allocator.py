@@ -37,7 +37,22 @@ class _GpuPoolView:
 
 
 class UlaCacheTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
-    """Logical addresses from SGLang's paged allocator; rows placed and freed in the core."""
+    """Logical addresses from SGLang's paged allocator; rows placed and freed in the core.
+
+    Over a TP-mode pool construction builds the TP subclass
+    :class:`~ulacache.patches.sglang_tp_runtime.UlaCacheTPTokenToKVPoolAllocator` instead.
+    """
+
+    def __new__(cls, *args, **kwargs):
+        if cls is UlaCacheTokenToKVPoolAllocator:
+            kvcache = kwargs.get("kvcache", args[4] if len(args) > 4 else None)
+            from .sglang_tp_pool import UlaCacheTPDSATokenToKVPool
+
+            if isinstance(kvcache, UlaCacheTPDSATokenToKVPool):
+                from .sglang_tp_runtime import UlaCacheTPTokenToKVPoolAllocator
+
+                cls = UlaCacheTPTokenToKVPoolAllocator
+        return super().__new__(cls)
 
     def __init__(self, size: int, page_size: int, dtype: torch.dtype, device: torch.device,
                  kvcache: UlaCacheDSATokenToKVPool, need_sort: bool,

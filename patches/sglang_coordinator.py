@@ -32,7 +32,22 @@ class _Staged(NamedTuple):
 
 
 class UlaCacheCoordinator(HiSparseCoordinator):
-    """The one object SGLang's scheduler, model runner and DSA backend call (DP mode)."""
+    """The one object SGLang's scheduler, model runner and DSA backend call (DP mode).
+
+    Over a TP-mode pool (``--ulacache-config`` mode ``"tp"``) construction builds the TP
+    subclass :class:`~ulacache.patches.sglang_tp_runtime.UlaCacheTPCoordinator` instead.
+    """
+
+    def __new__(cls, *args, **kwargs):
+        if cls is UlaCacheCoordinator:
+            alloc = kwargs.get("token_to_kv_pool_allocator", args[1] if len(args) > 1 else None)
+            from .sglang_tp_pool import UlaCacheTPDSATokenToKVPool
+
+            if alloc is not None and isinstance(alloc.get_kvcache(), UlaCacheTPDSATokenToKVPool):
+                from .sglang_tp_runtime import UlaCacheTPCoordinator
+
+                cls = UlaCacheTPCoordinator
+        return super().__new__(cls)
 
     def __init__(self, req_to_token_pool, token_to_kv_pool_allocator, top_k: int,
                  device_buffer_size: int, device, tp_group, host_to_device_ratio: int = 2,
@@ -49,13 +64,7 @@ class UlaCacheCoordinator(HiSparseCoordinator):
         self.mem_pool_host = None  # no host mirror: exclusive tiers live in the core
         R = req_to_token_pool.req_to_token.shape[0]
         steps = max(1, num_draft_tokens)
-        worst = (R - 1) * steps * top_k + (R - 1) * steps
-        if self.core.config.gpu_slots < worst:
-            raise ConfigError(
-                f"ulacache: the GPU pool ({self.core.config.gpu_slots} slots) must hold one step's "
-                f"selections: ({R - 1} requests x {steps} tokens) x (top-k {top_k} + 1) = {worst}. "
-                "Lower --max-running-requests (or --cuda-graph-max-bs), or give the KV cache more "
-                "memory (--mem-fraction-static)")
+        self._check_sizes(R - 1, steps, top_k)
         self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=device)
         self._row_ids = torch.arange(R * steps, device=device)
         self._rows_out = [torch.full((R * steps, top_k), -1, dtype=torch.int32, device=device)
@@ -67,6 +76,16 @@ class UlaCacheCoordinator(HiSparseCoordinator):
         self._producer_stream = None
         logger.info("ulacache coordinator: %d request rows, top-k %d, %d selection groups",
                     R, top_k, len(self.core.groups))
+
+    def _check_sizes(self, requests: int, steps: int, top_k: int) -> None:
+        """Refuse to start unless the GPU pool holds one step's selections."""
+        worst = requests * steps * (top_k + 1)
+        if self.core.config.gpu_slots < worst:
+            raise ConfigError(
+                f"ulacache: the GPU pool ({self.core.config.gpu_slots} slots) must hold one step's "
+                f"selections: ({requests} requests x {steps} tokens) x (top-k {top_k} + 1) = "
+                f"{worst}. Lower --max-running-requests (or --cuda-graph-max-bs-decode), or give "
+                "the KV cache more memory (--mem-fraction-static)")
 
     # -- scheduler side ------------------------------------------------------------------
     def set_decode_producer_stream(self, stream) -> None:
@@ -173,6 +192,7 @@ class UlaCacheCoordinator(HiSparseCoordinator):
                 raise StaleSelectionError(
                     f"layer {layer_id} reuses the selection of its group's anchor layer, which "
                     f"has not run in this step ({n} rows); it would read last step's rows")
+            self._serve_shared(layer_id)
             return self._rows_out[gi][:n].view(shape)
         pos = top_k_result.reshape(n, K).to(torch.int64)
         req = req_pool_indices.to(torch.int64)
@@ -183,8 +203,15 @@ class UlaCacheCoordinator(HiSparseCoordinator):
         valid = (pos >= 0) & real.unsqueeze(1)
         table = self.req_to_token_pool.req_to_token
         addrs = table[req.unsqueeze(1), pos.clamp(min=0)].to(torch.int64)
-        slots = self.core.access(gi, torch.where(valid, addrs, -1))
+        slots = self._serve_anchor(gi, layer_id, torch.where(valid, addrs, -1))
         self._anchor_step[gi] = (self.core.round_serial, n)
         out = self._rows_out[gi][:n]
         out.copy_(torch.where(slots >= 0, slots + self.page_size, -1))
         return out.view(shape)
+
+    def _serve_anchor(self, gi: int, layer_id: int, addrs: torch.Tensor) -> torch.Tensor:
+        """The anchor layer's sparse access: ``int32 [n, K]`` core rows (``-1``: none)."""
+        return self.core.access(gi, addrs)
+
+    def _serve_shared(self, layer_id: int) -> None:
+        """A layer sharing its anchor's selection: DP mode has nothing to move."""

@@ -64,7 +64,22 @@ def layer_groups_from_skip(skip_topk_layers: list[bool] | None, layer_num: int,
 
 
 class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
-    """DSA latent pool whose rows are ulacache's GPU pools (see the module docstring)."""
+    """DSA latent pool whose rows are ulacache's GPU pools (see the module docstring).
+
+    Construction picks the mode: with ``--ulacache-config`` mode ``"tp"`` (read from
+    ``ulacache_options`` or the published server args) it builds the TP subclass
+    :class:`~ulacache.patches.sglang_tp_pool.UlaCacheTPDSATokenToKVPool` instead, so SGLang's
+    construction site (which sees this class through the REPLACE hook) needs no change.
+    """
+
+    def __new__(cls, *args, **kwargs):
+        if cls is UlaCacheDSATokenToKVPool:
+            opts = kwargs.get("ulacache_options") or sglang_options()
+            if opts.mode == "tp":
+                from .sglang_tp_pool import UlaCacheTPDSATokenToKVPool
+
+                cls = UlaCacheTPDSATokenToKVPool
+        return super().__new__(cls)
 
     def __init__(self, size: int, page_size: int, kv_lora_rank: int, dtype: torch.dtype,
                  qk_rope_head_dim: int, layer_num: int, device: str, index_head_dim: int,
@@ -186,15 +201,19 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
     def translate_loc_from_full_to_hisparse_device(self, full_indices: torch.Tensor):
         return self.rows_of(self.current_layer_id, full_indices)
 
-    def set_kv_buffer(self, layer, loc_info, cache_k, cache_v):
+    def set_kv_buffer(self, layer, loc_info, cache_k, cache_v, layer_id_override=None):
         loc, _, _ = unwrap_write_loc(loc_info)
-        DSATokenToKVPool.set_kv_buffer(self, layer, self.rows_of(layer.layer_id, loc),
-                                       cache_k, cache_v)
+        layer_id = layer.layer_id if layer_id_override is None else layer_id_override
+        DSATokenToKVPool.set_kv_buffer(self, layer, self.rows_of(layer_id, loc), cache_k,
+                                       cache_v, layer_id_override=layer_id_override)
 
-    def set_mla_kv_buffer(self, layer, loc_info, cache_k_nope, cache_k_rope):
+    def set_mla_kv_buffer(self, layer, loc_info, cache_k_nope, cache_k_rope,
+                          layer_id_override=None):
         loc, _, _ = unwrap_write_loc(loc_info)
-        DSATokenToKVPool.set_mla_kv_buffer(self, layer, self.rows_of(layer.layer_id, loc),
-                                           cache_k_nope, cache_k_rope)
+        layer_id = layer.layer_id if layer_id_override is None else layer_id_override
+        DSATokenToKVPool.set_mla_kv_buffer(self, layer, self.rows_of(layer_id, loc),
+                                           cache_k_nope, cache_k_rope,
+                                           layer_id_override=layer_id_override)
 
     def get_mla_kv_buffer(self, layer, loc, dst_dtype=None):
         self.current_layer_id = layer.layer_id

@@ -25,7 +25,15 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ExpectedHook", "HookVerificationError", "hook_in_place", "verify_hooks"]
+__all__ = ["ExpectedHook", "HookVerificationError", "TP_HOOK_TARGETS", "hook_in_place",
+           "verify_hooks", "verify_tp_hooks"]
+
+TP_HOOK_TARGETS = (
+    "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.__init__",
+    "sglang.srt.layers.attention.dsa.dsa_indexer_metadata.DSAIndexerMetadata.topk_transform",
+)
+"""Targets TP mode cannot run without: the sizing hook (without it SGLang charges the full
+latent per rank and the pool's buffer is not budgeted) and the sharded top-k merge."""
 
 
 class HookVerificationError(RuntimeError):
@@ -120,3 +128,17 @@ def verify_hooks(expected: Iterable[ExpectedHook]) -> None:
             "target first):\n" + "\n".join(failures)
         )
     logger.debug("ulacache: all plugin hooks verified")
+
+
+def verify_tp_hooks(expected: Iterable[ExpectedHook]) -> None:
+    """TP mode: raise :class:`HookVerificationError` unless every target of
+    :data:`TP_HOOK_TARGETS` was registered (``expected``) and is in effect."""
+    expected = list(expected)
+    registered = {e.target for e in expected}
+    missing = [t for t in TP_HOOK_TARGETS if t not in registered]
+    if missing:
+        raise HookVerificationError(
+            "ulacache: --ulacache-config mode 'tp' needs these hooks, which were never "
+            "registered (is ulacache.patches.classes.EXTRA_HOOKS out of date?):\n"
+            + "\n".join(f"  - {t}" for t in missing))
+    verify_hooks(e for e in expected if e.target in TP_HOOK_TARGETS)

@@ -42,7 +42,9 @@ ULA_INTS = {
 SGL_INTS = {
     "cpu_ratio": (0, 1024, {}),
     "n_buckets": (2, 4096, {}),
+    "buffer_slots": (1, MAX_GPU_SLOTS, {"mode": "tp"}),
 }
+OPTIONAL_INTS = ("row_bytes", "buffer_slots")  # ``None`` is legal for these
 INT_CASES = [(UlaCacheConfig, k, *v) for k, v in ULA_INTS.items()] + \
     [(SGLangOptions, k, *v) for k, v in SGL_INTS.items()]
 INT_IDS = [f"{cls.__name__}.{key}" for cls, key, *_ in INT_CASES]
@@ -51,7 +53,7 @@ ENUMS = [
     (UlaCacheConfig, "layout", ("fp8", "bf16", "tiny")),
     (UlaCacheConfig, "policy", tuple(POLICIES)),
     (SGLangOptions, "policy", tuple(POLICIES)),
-    (SGLangOptions, "mode", ("dp",)),
+    (SGLangOptions, "mode", ("dp", "tp")),
 ]
 REMOVED_KNOBS = ["fetch_cap", "max_batch", "top_k"]
 
@@ -107,7 +109,7 @@ def test_integer_keys_refuse_non_integers_on_every_route(cls, key, lo, hi, base)
             if route in ("kw", "dict", "replace") or not (
                     isinstance(bad, float) and not math.isfinite(bad)):
                 assert "legal" in str(err), str(err)  # parse errors of Infinity/NaN excepted
-        if key != "row_bytes":  # the one optional integer
+        if key not in OPTIONAL_INTS:
             refused(cls, route, {**base, key: None}, key)
 
 
@@ -410,3 +412,19 @@ def test_tp_keys_are_checked_together(route):
     assert (c.tp_size, c.buffer_slots, c.shard_indexer) == (4, 8, True)
     assert c.unique_capacity == 64  # 4 ranks x (10 + 6) unique rows
     assert [c.charge(n) for n in (0, 1, 4, 5)] == [0, 4, 4, 8]  # ceil(n / P) per rank
+
+
+@pytest.mark.parametrize("route", routes(SGLangOptions))
+def test_sglang_tp_keys(route):
+    """``buffer_slots`` and ``shard_indexer`` are TP-mode keys (refused in DP mode, where
+    nothing reads them); ``shard_indexer`` is a strict boolean; ``buffer_slots`` may be null
+    (derived at start-up)."""
+    refused(SGLangOptions, route, {"buffer_slots": 8}, "'buffer_slots'", "only for mode 'tp'")
+    refused(SGLangOptions, route, {"shard_indexer": True}, "'shard_indexer'", "only for mode")
+    for bad in NOT_BOOLS:
+        refused(SGLangOptions, route, {"mode": "tp", "shard_indexer": bad}, "shard_indexer")
+    opts = build(SGLangOptions, route, {"mode": "tp", "buffer_slots": 8, "shard_indexer": True})
+    assert (opts.mode, opts.buffer_slots, opts.shard_indexer) == ("tp", 8, True)
+    opts = build(SGLangOptions, route, {"mode": "tp", "buffer_slots": None})
+    assert (opts.buffer_slots, opts.shard_indexer) == (None, False)
+    assert build(SGLangOptions, route, {"shard_indexer": False}).mode == "dp"

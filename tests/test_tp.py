@@ -154,7 +154,14 @@ class Ranks:
                                raw=True)
 
     def run(self, fn, raw: bool = False):
-        futures = [self.pool.submit(fn, r if raw else self.spaces[r]) for r in range(self.P)]
+        def guarded(arg):
+            try:
+                return fn(arg)
+            except AssertionError:
+                self.hub.abort()  # peers blocked in a collective leave at once
+                raise
+        futures = [self.pool.submit(guarded, r if raw else self.spaces[r])
+                   for r in range(self.P)]
         out, errs = [], []
         for f in futures:
             try:

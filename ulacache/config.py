@@ -183,15 +183,36 @@ class SGLangOptions(_Checked, frozen=True, forbid_unknown_fields=True, kw_only=T
     """ulacache's settings under SGLang (``--ulacache-config '{...}'``). The GPU pool size comes
     from SGLang's memory budget; the CPU pool is ``cpu_ratio`` times it (exclusive tiers, so a
     rank holds ``(1 + cpu_ratio) x`` the GPU pool's tokens); the indexer cache is sized for all
-    of them."""
+    of them.
+
+    ``mode``: ``"dp"``, one address space per attention-DP rank; ``"tp"``, the ranks of one
+    attention-TP group stripe one address space (token ``t`` on rank ``t mod P``), each holding
+    ``1/P`` of the latent rows plus a local buffer of ``buffer_slots`` rows per layer for copies
+    of peers' rows. ``buffer_slots`` (TP only; per rank, per selection group, per layer):
+    ``null`` derives it as ``max_running_requests x draft tokens x (top_k + 1)`` (every selection
+    of one step may be a peer's row; start-up refuses TP mode when ``--max-running-requests`` is
+    unset). ``shard_indexer`` (TP only): merge the decode/verify top-k exactly across the group
+    (each rank ranks the columns ``j`` with ``j mod P == rank``); the indexer keys themselves stay
+    replicated under SGLang (docs/sglang.md).
+    """
 
     _what = "--ulacache-config"
 
-    mode: Literal["dp"] = "dp"  # "tp" arrives with TP mode
+    mode: Literal["dp", "tp"] = "dp"
     cpu_ratio: Annotated[int, Meta(ge=0, le=1024)] = 4
     n_buckets: Buckets = 64
     policy: PolicyName = "pblru"
     validate: bool = False  # host-side checks on every step (debugging; syncs the GPU)
+    buffer_slots: Optional[Annotated[int, Meta(ge=1, le=MAX_GPU_SLOTS)]] = None  # TP only
+    shard_indexer: bool = False  # TP only: exact sharded top-k merge (index-K replicated)
+
+    def _check(self) -> None:
+        if self.mode != "tp":
+            for key, value in (("buffer_slots", self.buffer_slots is not None),
+                               ("shard_indexer", self.shard_indexer)):
+                if value:
+                    raise ConfigError(f"--ulacache-config key {key!r} is only for mode 'tp' "
+                                      f"(got mode {self.mode!r})")
 
     @property
     def host_to_device_ratio(self) -> int:
