@@ -3,7 +3,8 @@
 #
 #   bash bench/device_check.sh LOGDIR
 #
-# 1. pytest -m gpu (all GPU-marked tests; each kernel vs its reference, per compile backend),
+# 1. pytest -m gpu (all GPU-marked tests: each kernel vs its reference per compile backend, the
+#    decode graph, stream order, CUDA IPC peers, TP mode in two processes on one GPU),
 # 2. bench/bandwidth.py --json --sweep (ceilings and every kernel at 656/1152 B x 2K/16K/131K),
 # 3. a short summary table, printed last, with the targets marked.
 # Full logs go to LOGDIR: pytest_gpu.log, bandwidth.json, bandwidth.log, summary.txt.
@@ -67,7 +68,7 @@ cat "$LOGDIR/env.log"
 
 echo "== pytest -m gpu"
 timeout "${PYTEST_TIMEOUT:-170}" "$PY" -m pytest -m gpu -q -p no:cacheprovider -rfEs \
-    > "$LOGDIR/pytest_gpu.log" 2>&1
+    --junitxml="$LOGDIR/pytest_gpu.xml" > "$LOGDIR/pytest_gpu.log" 2>&1
 PYTEST_RC=$?
 tail -n 5 "$LOGDIR/pytest_gpu.log"
 
@@ -81,8 +82,23 @@ tail -n 3 "$LOGDIR/bandwidth.log"
 import json, sys, time
 logdir, prc, brc, t0 = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 lines = [f"== summary ({time.time() - t0:.0f} s)",
-         f"pytest -m gpu: rc={prc} ({'pass' if prc == 0 else 'FAIL'})",
-         f"bandwidth bench: rc={brc}"]
+         f"pytest -m gpu: rc={prc} ({'pass' if prc == 0 else 'FAIL'})"]
+try:  # per test file: passed / failed / skipped (TP over CUDA IPC, peers, kernels, graphs)
+    import xml.etree.ElementTree as ET
+    from collections import Counter
+    tally = {}
+    for case in ET.parse(f"{logdir}/pytest_gpu.xml").iter("testcase"):
+        kind = "failed" if case.find("failure") is not None or case.find("error") is not None \
+            else "skipped" if case.find("skipped") is not None else "passed"
+        parts = (case.get("classname") or "(skipped at collection)").split(".")
+        name = next((x for x in parts if x.startswith("test_")), parts[-1])
+        tally.setdefault(name, Counter())[kind] += 1
+    for name, c in sorted(tally.items()):
+        lines.append(f"  {name:<28} passed {c['passed']:>3}  failed {c['failed']:>3}  "
+                     f"skipped {c['skipped']:>3}")
+except Exception as e:  # no XML: pytest did not get far
+    lines.append(f"  (no per-file results: {e})")
+lines.append(f"bandwidth bench: rc={brc}")
 try:
     with open(f"{logdir}/bandwidth.json") as f:
         res = json.loads(f.read().strip().splitlines()[-1])

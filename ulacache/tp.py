@@ -36,6 +36,7 @@ import logging
 
 import torch
 
+from ulacache.kernels.cuda_rows import kernels_available
 from ulacache.kernels.dispatch import gather_rows_peers, pool_ptr_table
 
 from .address import local_position, owner_rank
@@ -156,8 +157,10 @@ class TPAddressSpace:
             per_layer = []
             for li in range(len(g)):
                 pools = [v[li: li + 1] for v in views[gi]]
+                # the CUDA kernel reads a device pointer table; the torch reference the views
                 per_layer.append(pool_ptr_table(pools, self.device)
-                                 if self.device.type == "cuda" else pools)
+                                 if self.device.type == "cuda" and kernels_available()
+                                 else pools)
             self._peer_layers.append(per_layer)
         self.buffers = [LocalBuffer(n_logical, B, self.device, config.policy, config.n_buckets)
                         for _ in groups]

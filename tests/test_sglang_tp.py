@@ -1,0 +1,490 @@
+"""TP mode under SGLang 0.5.23 (``--ulacache-config '{"mode": "tp"}'``), on CPU.
+
+Two spawned processes form a real TP group (SGLang's ``init_distributed_environment`` and
+``initialize_model_parallel`` over gloo, pynccl and custom all-reduce off, args published with
+``--tp 2``). Each rank builds ulacache's real pool, allocator and coordinator (the TP subclasses,
+chosen at construction from the options) over SGLang's own ``ReqToTokenPool``, paged allocator
+and DSA pool base, its ``kv_buffer`` shared with the peer through POSIX shared memory. Both
+ranks run the same call sequence (SPMD) and check, per rank:
+
+- every row ``swap_in_selected_pages`` / the prefill translation returns holds exactly the bytes
+  written for that logical token (own rows, this round's buffer copies, rows fetched from the
+  peer), and every live token reads back from its owner (GPU or CPU tier);
+- own rows hold only tokens with ``loc % P == rank``, and all of them;
+- per-rank pool rows (GPU + CPU) are ``1/P`` of the DP (replicated) pool's for the same ``N``;
+- ``alloc_extend`` returns ``None`` on both ranks or on neither (natural and one-rank pressure);
+- the ``topk_transform`` hook's sharded merge equals the full top-k on both ranks;
+- a layer that shares its anchor's selection loads its own layer's peer rows (a mutant that
+  skips that load is caught).
+
+Not run here (no kernels on CPU): CUDA IPC peers, pynccl collectives and CUDA-graph capture,
+fp8 (Triton) writes, DeepGEMM logits, a real model. Single-process tests cover the server-args
+checks, the sizing hook and the TP hook verification.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import traceback
+import types
+
+import pytest
+import torch
+
+sglang = pytest.importorskip("sglang")
+pytestmark = pytest.mark.sglang
+
+KVL, ROPE, L, K, PAGE, P, N = 64, 16, 4, 32, 64, 2, 512
+TIMEOUT_S = 240
+
+
+# ---------------------------------------------------------------------------------------------
+# the rank's side: SGLang's calls on one TP rank
+# ---------------------------------------------------------------------------------------------
+class TPHarness:
+    """Plays SGLang's side on one rank (as the DP contract test's Harness does), plus the
+    classification of every row it checks: own / this round's copy / other buffered copy."""
+
+    def __init__(self, shared: bool, validate: bool, rank: int, max_reqs: int = 4):
+        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+        from ulacache.config import SGLangOptions
+        from ulacache.patches.classes import (
+            UlaCacheCoordinator,
+            UlaCacheDSATokenToKVPool,
+            UlaCacheTokenToKVPoolAllocator,
+        )
+
+        opts = SGLangOptions(mode="tp", cpu_ratio=3, n_buckets=4, validate=validate,
+                             buffer_slots=400, shard_indexer=True)
+        ratio = opts.host_to_device_ratio
+        self.rank = rank
+        self.rtp = ReqToTokenPool(size=max_reqs, max_context_len=4096, device="cpu",
+                                  enable_memory_saver=False)
+        skip = [i % 2 == 1 for i in range(L)] if shared else None
+        self.pool = UlaCacheDSATokenToKVPool(
+            N, page_size=PAGE, kv_lora_rank=KVL, dtype=torch.bfloat16, qk_rope_head_dim=ROPE,
+            layer_num=L, device="cpu", index_head_dim=128, enable_memory_saver=False,
+            kv_cache_dim=KVL + ROPE, max_running_requests=max_reqs, skip_topk_layers=skip,
+            host_to_device_ratio=ratio, ulacache_options=opts)
+        self.alloc = UlaCacheTokenToKVPoolAllocator(
+            N, page_size=PAGE, dtype=torch.bfloat16, device="cpu", kvcache=self.pool,
+            need_sort=False, host_to_device_ratio=ratio)
+        self.coord = UlaCacheCoordinator(
+            req_to_token_pool=self.rtp, token_to_kv_pool_allocator=self.alloc, top_k=K,
+            device_buffer_size=0, device="cpu", tp_group=self.pool.ula_group.cpu_group,
+            host_to_device_ratio=ratio, num_draft_tokens=2)
+        self.core = self.pool.core
+        self.G = self.core.config.gpu_slots
+        self.gen = torch.Generator().manual_seed(0)  # same draws on both ranks (SPMD)
+        self.latent: dict[tuple[int, int], torch.Tensor] = {}
+        self.live: set[int] = set()
+        self.lens: dict[int, int] = {}
+        self.reqs: dict[int, types.SimpleNamespace] = {}
+        self.seen = {"own": 0, "fresh": 0, "buffered": 0, "shared_buffered": 0}
+        self.fresh: set[int] = set()
+        self.strict, self.mismatches = True, 0  # strict off: count mismatches (mutant runs)
+
+    def close(self) -> None:
+        self.coord.destroy()
+        self.pool.close_peers()
+
+    # -- writes and checks ------------------------------------------------------------------
+    def write_kv(self, locs: torch.Tensor) -> None:
+        for layer in range(L):
+            nope = torch.randn(locs.numel(), 1, KVL, generator=self.gen).to(torch.bfloat16)
+            rope = torch.randn(locs.numel(), 1, ROPE, generator=self.gen).to(torch.bfloat16)
+            self.pool.set_mla_kv_buffer(types.SimpleNamespace(layer_id=layer), locs, nope, rope)
+            for i, loc in enumerate(locs.tolist()):
+                self.latent[(layer, loc)] = torch.cat([nope[i, 0], rope[i, 0]])
+        self.live.update(locs.tolist())
+        self.fresh = set(locs.tolist())
+
+    def check_rows(self, layer: int, rows: torch.Tensor, locs: torch.Tensor) -> None:
+        """rows (kv_buffer rows) hold the latent written for locs; -1 stays -1."""
+        assert rows.dtype == torch.int32
+        assert torch.equal(rows < 0, locs < 0)
+        buf = self.pool.kv_buffer[layer]
+        anchor = self.core.groups[self.core.layer_to_group[layer]].layers[0] == layer
+        for r, loc in zip(rows.reshape(-1).tolist(), locs.reshape(-1).tolist()):
+            if loc < 0:
+                continue
+            if not torch.equal(buf[r, 0], self.latent[(layer, loc)]):
+                assert not self.strict, (self.rank, layer, loc, r)
+                self.mismatches += 1
+                continue
+            if PAGE <= r < PAGE + self.G:
+                assert loc % P == self.rank, (loc, r)  # own rows: own tokens only
+                self.seen["own"] += 1
+            else:
+                assert r > PAGE + self.G and loc % P != self.rank, (loc, r)
+                what = "fresh" if loc in self.fresh else "buffered"
+                self.seen[what] += 1
+                if what == "buffered" and not anchor:
+                    self.seen["shared_buffered"] += 1
+
+    def check(self, integrity: bool = True) -> None:
+        """Allocator + core invariants (collective), own rows hold exactly this rank's live
+        tokens with their bytes, and every live token reads back from its owner.
+
+        ``integrity=False`` skips the core's check_integrity, whose buffer cross-check
+        all-gathers an empty tensor when no rank holds a copy: ``ulacache.ipc._gather_bytes``
+        cannot view a ``[P, 0]`` byte tensor as int64 (a core bug, reported)."""
+        if integrity:
+            self.alloc.check_integrity()
+        for gi, g in enumerate(self.core.local.groups):
+            mapped = torch.nonzero(g.loc[: g.n_logical] >= 0).reshape(-1)
+            mine = {int(u) * P + self.rank for u in mapped}
+            assert mine == {t for t in self.live if t % P == self.rank}, gi
+            slots = torch.nonzero(g.gpu_owner[: g.gpu_slots] >= 0).reshape(-1)
+            for layer in g.layers:
+                buf = self.pool.kv_buffer[layer]
+                for s in slots.tolist():
+                    t = int(g.gpu_owner[s]) * P + self.rank
+                    assert torch.equal(buf[PAGE + s, 0], self.latent[(layer, t)]), (layer, t)
+        addrs = torch.tensor(sorted(self.live), dtype=torch.int64)
+        for layer in range(L if self.live else 0):  # collective: same order on both ranks
+            got = self.core.read(layer, addrs).view(torch.bfloat16)
+            want = torch.stack([self.latent[(layer, t)] for t in addrs.tolist()])
+            assert torch.equal(got, want), layer
+
+    # -- the scheduler's calls ----------------------------------------------------------------
+    def prefill(self, idx: int, n: int, chunk: int) -> None:
+        req = types.SimpleNamespace(rid=f"r{idx}", hisparse_staging=False)
+        self.reqs[idx] = req
+        done = 0
+        while done < n:
+            m = min(chunk, n - done)
+            last = self.rtp.req_to_token[idx, done - 1].long().view(1) if done else \
+                torch.tensor([-1])
+            locs = self.alloc.alloc_extend(torch.tensor([done]), torch.tensor([done]),
+                                           torch.tensor([done + m]), torch.tensor([done + m]),
+                                           last, m)
+            assert locs is not None
+            self.rtp.req_to_token[idx, done: done + m] = locs.to(torch.int32)
+            self.write_kv(locs)
+            pos = torch.randint(0, done + m, (m, K), generator=self.gen)
+            pos[:, -3:] = -1
+            table = torch.where(pos >= 0, self.rtp.req_to_token[idx][pos.clamp(min=0)].long(),
+                                -1)
+            for layer in range(L):
+                self.pool.current_layer_id = layer  # what the forward_extend hook records
+                rows = self.pool.translate_loc_to_hisparse_device(table.to(torch.int32))
+                self.check_rows(layer, rows.to(torch.int32), table)
+            done += m
+        self.lens[idx] = n
+        self.coord.admit_request_into_staging(req)
+
+    def decode_step(self, idxs: list[int], pad: int = 1) -> None:
+        bs = len(idxs)
+        ri = torch.tensor(idxs)
+        last = torch.stack([self.rtp.req_to_token[i, self.lens[i] - 1].long() for i in idxs])
+        seq = torch.tensor([self.lens[i] + 1 for i in idxs])
+        out = self.alloc.alloc_decode(seq, seq, last)
+        for i, loc in zip(idxs, out.tolist()):
+            self.rtp.req_to_token[i, self.lens[i]] = loc
+            self.lens[i] += 1
+        self.coord.map_last_loc_to_buffer(seq, out, ri, seq, ri)
+        self.coord.num_real_reqs.fill_(bs)
+        self.write_kv(out)
+        topk = torch.full((bs + pad, K), -1, dtype=torch.int32)
+        for b, i in enumerate(idxs):
+            n = self.lens[i]
+            pos = torch.randperm(n - 1, generator=self.gen)[: K - 4]
+            topk[b, : pos.numel() + 1] = torch.cat([pos, torch.tensor([n - 1])]).to(torch.int32)
+        topk[bs:] = torch.arange(K, dtype=torch.int32)  # garbage in padded rows
+        ri_pad = torch.cat([ri, torch.zeros(pad, dtype=torch.int64)])
+        seq_pad = torch.cat([seq, torch.ones(pad, dtype=torch.int64)])
+        for layer in range(L):
+            rows = self.coord.swap_in_selected_pages(ri_pad, seq_pad, topk, layer)
+            assert rows.shape == (bs + pad, K) and (rows[bs:] == -1).all()
+            locs = torch.where(topk[:bs] >= 0, self.rtp.req_to_token[
+                ri.unsqueeze(1), topk[:bs].long().clamp(min=0)].long(), -1)
+            self.check_rows(layer, rows[:bs], locs)
+
+    def verify_step(self, idxs: list[int], steps: int = 2) -> None:
+        bs = len(idxs)
+        ri = torch.tensor(idxs)
+        prefix = torch.tensor([self.lens[i] for i in idxs])
+        last = torch.stack([self.rtp.req_to_token[i, self.lens[i] - 1].long() for i in idxs])
+        locs = self.alloc.alloc_logical_only(prefix, prefix, prefix + steps, prefix + steps,
+                                             last, bs * steps)
+        for b, i in enumerate(idxs):
+            self.rtp.req_to_token[i, self.lens[i]: self.lens[i] + steps] = \
+                locs[b * steps: (b + 1) * steps].to(torch.int32)
+        self.coord.prepare_spec_verify(types.SimpleNamespace(out_cache_loc=locs,
+                                                             req_pool_indices=ri))
+        self.coord.num_real_reqs.fill_(bs)
+        self.write_kv(locs)
+        topk = torch.full((bs, steps, K), -1, dtype=torch.int32)
+        for b, i in enumerate(idxs):
+            for s in range(steps):
+                pos = torch.randperm(self.lens[i] + s + 1, generator=self.gen)[:K]
+                topk[b, s, : pos.numel()] = pos.to(torch.int32)
+        req = ri.repeat_interleave(steps)
+        flat = topk.view(bs * steps, K).long()
+        want = torch.where(flat >= 0, self.rtp.req_to_token[req.unsqueeze(1),
+                           flat.clamp(min=0)].long(), -1)
+        for layer in range(L):
+            rows = self.coord.swap_in_selected_pages(ri, prefix + steps, topk, layer)
+            self.check_rows(layer, rows.view(bs * steps, K), want)
+        for b, i in enumerate(idxs):  # accept the first draft token; the second is dead
+            self.live.discard(int(locs[b * steps + 1]))
+            self.lens[i] += 1
+
+    def finish(self, idx: int) -> None:
+        self.coord.request_finished(self.reqs.pop(idx))
+        freed = self.rtp.req_to_token[idx, : self.lens.pop(idx)].long()
+        self.alloc.free(freed)
+        self.live.difference_update(freed.tolist())
+        pages = set((freed // PAGE).tolist())  # whole pages go (rejected draft tails too)
+        self.live = {t for t in self.live if t // PAGE not in pages}
+
+
+# ---------------------------------------------------------------------------------------------
+# scenarios (run on both ranks, same order)
+# ---------------------------------------------------------------------------------------------
+def scenario_perlayer(rank: int) -> dict:
+    h = TPHarness(shared=False, validate=True, rank=rank)
+    for idx, n in ((1, 300), (2, 420), (3, 250)):  # 970 tokens: ~485 per rank > G = 256
+        h.prefill(idx, n, chunk=160)
+        h.check()
+    assert len(h.coord.collect_ready_reqs()) == 3
+    for _ in range(6):  # no request ends a page with its accepted draft token
+        h.decode_step([1, 2, 3])
+    h.check()
+    h.verify_step([1, 2, 3])
+    h.decode_step([1, 2, 3])
+    h.check()
+    h.finish(2)
+    h.prefill(4, 90, chunk=90)
+    for _ in range(2):
+        h.decode_step([1, 3, 4])
+    h.check()
+    counters = h.core.counters()
+    stats = h.coord.get_token_stats()
+    for idx in (1, 3, 4):
+        h.finish(idx)
+    h.check(integrity=False)  # nothing buffered anywhere: see TPHarness.check
+    capacity_back = h.alloc.available_size() == h.alloc.size_full
+    h.close()
+    return {"seen": h.seen, "capacity_back": capacity_back, "device_tokens": stats.device_tokens,
+            "counters": {k: sum(c[k] for c in counters) for k in
+                         ("promotions", "spills", "peer_fetches", "buffer_hits",
+                          "new_buffered", "buffer_evictions", "peer_missing",
+                          "buffer_overflow", "access_overflow", "place_overflow")}}
+
+
+def scenario_shared(rank: int) -> dict:
+    h = TPHarness(shared=True, validate=False, rank=rank)
+    for idx, n in ((1, 350), (2, 300)):
+        h.prefill(idx, n, chunk=200)
+    h.coord.collect_ready_reqs()
+    for _ in range(4):
+        h.decode_step([1, 2])
+    h.check()
+    seen = dict(h.seen)
+    # mutant: shared layers skip their own load; their freshly fetched rows must read wrong
+    h.coord._serve_shared = lambda layer_id: None
+    h.strict = False
+    for _ in range(2):
+        h.decode_step([1, 2])
+    h.close()
+    return {"seen": seen, "mutant_caught": h.mismatches}
+
+
+def scenario_pressure(rank: int) -> dict:
+    """alloc_extend: None on both ranks or on neither."""
+    import ulacache.errors as errors
+
+    h = TPHarness(shared=False, validate=False, rank=rank)
+    h.prefill(1, 100, chunk=100)  # something live (and buffered) throughout
+    z, before = torch.zeros(1, dtype=torch.int64), h.alloc.available_size()
+    out = {}
+    n = 2 * h.G + 2  # rank 0 owns G + 1 tokens: more than its own pool
+    out["too_long"] = h.alloc.alloc_extend(z, z, torch.tensor([n]), torch.tensor([n]),
+                                           torch.tensor([-1]), n) is None
+
+    def try_prefill(m: int) -> bool:
+        locs = h.alloc.alloc_extend(z, z, torch.tensor([m]), torch.tensor([m]),
+                                    torch.tensor([-1]), m)
+        if locs is not None:
+            h.alloc.free(locs)
+        return locs is None
+
+    logical = h.alloc.logical_attn_allocator
+    real = logical.alloc_extend
+    if rank == 0:  # the logical allocator refuses on one rank only
+        logical.alloc_extend = lambda *a, **k: None
+    out["logical_one_rank"] = try_prefill(100)
+    logical.alloc_extend = real
+    group0 = h.core.local.groups[0]
+    real_room = group0.check_place_room
+    if rank == 0:  # this rank's own pool has no room this round
+        def no_room(need):
+            raise errors.CapacityExhausted("injected: no room on rank 0")
+        group0.check_place_room = no_room
+    out["room_one_rank"] = try_prefill(100)
+    group0.check_place_room = real_room
+    out["then_fits"] = not try_prefill(100)
+    out["capacity_unchanged"] = h.alloc.available_size() == before
+    h.check()
+    h.close()
+    return out
+
+
+def scenario_memory(rank: int) -> dict:
+    """Per-rank pool rows (GPU + CPU, from the allocated tensors) vs the DP pool's."""
+    from ulacache.config import SGLangOptions
+    from ulacache.patches.classes import UlaCacheDSATokenToKVPool
+
+    def rows(core) -> tuple[int, int]:
+        g = getattr(core, "local", core).groups[0]
+        return g.pools.gpu.shape[1] - 1, g.pools.cpu.shape[1] - 1
+
+    kw = dict(page_size=PAGE, kv_lora_rank=KVL, dtype=torch.bfloat16, qk_rope_head_dim=ROPE,
+              layer_num=L, device="cpu", index_head_dim=128, enable_memory_saver=False,
+              kv_cache_dim=KVL + ROPE, max_running_requests=4, host_to_device_ratio=4)
+    dp = UlaCacheDSATokenToKVPool(N, ulacache_options=SGLangOptions(cpu_ratio=3), **kw)
+    tp = UlaCacheDSATokenToKVPool(N, ulacache_options=SGLangOptions(
+        mode="tp", cpu_ratio=3, buffer_slots=100), **kw)
+    out = {"dp": rows(dp.core), "tp": rows(tp.core), "tp_kv_rows": tp.kv_buffer[0].shape[0],
+           "tp_class": type(tp).__name__, "dp_class": type(dp).__name__}
+    tp.close_peers()
+    return out
+
+
+def scenario_topk(rank: int) -> dict:
+    """The topk_transform hook: this rank's columns j % P == rank are real, the others are
+    rank-specific garbage; the merge must be the full top-k of the real scores on both ranks."""
+    from ulacache.indexer import topk_reference
+    from ulacache.patches import sglang_tp_support as tps
+
+    gen = torch.Generator().manual_seed(7)
+    T, W = 5, 200
+    real = torch.randn(T, W, generator=gen)
+    real[0, 3] = float("inf")  # what _mask_init_and_local_tokens writes
+    lengths = torch.tensor([200, 150, 40, 17, 1], dtype=torch.int32)  # some <= K
+    mine = (torch.arange(W) % P == rank)
+    noise = torch.randn(T, W, generator=torch.Generator().manual_seed(100 + rank)) * 50
+    logits = torch.where(mine, real, noise)
+    meta = types.SimpleNamespace(force_unfused_topk=True, get_seqlens_expanded=lambda: lengths)
+    calls = []
+    orig = lambda self, lg, k, *a, **kw: calls.append(k) or "original"  # noqa: E731
+    tps.ACTIVE.update(group=tps.tp_group(), shard_indexer=True)
+    got = tps.topk_transform_around(orig, meta, logits.clone(), K)
+    want = topk_reference(real, lengths, K).to(torch.int32)
+    passthrough = [
+        tps.topk_transform_around(orig, types.SimpleNamespace(force_unfused_topk=False),
+                                  logits, K),
+        tps.topk_transform_around(orig, meta, logits, K, ks=lengths),
+    ]
+    tps.ACTIVE.clear()
+    return {"equal": torch.equal(got, want), "dtype": str(got.dtype), "got": got.tolist(),
+            "passthrough": passthrough, "calls": calls}
+
+
+SCENARIOS = {"perlayer": scenario_perlayer, "shared": scenario_shared,
+             "pressure": scenario_pressure, "memory": scenario_memory, "topk": scenario_topk}
+
+
+def _rank_main(rank: int, port: int, out_dir: str) -> None:
+    """One TP rank: SGLang's distributed set-up on gloo, then every scenario in order."""
+    os.environ["SGLANG_DSA_TOPK_BROADCAST"] = "1"
+    torch.set_num_threads(1)
+    path = os.path.join(out_dir, f"rank{rank}.json")
+    try:
+        from sglang.srt.distributed import parallel_state as ps
+        from sglang.srt.runtime_context import SpawnRanks, publish
+        from sglang.srt.server_args import prepare_server_args
+
+        sa = prepare_server_args(["--model-path", "dummy", "--device", "cpu", "--tp", str(P)])
+        publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=rank, dp_rank=None,
+                                                       gpu_id=rank))
+        ps.init_distributed_environment(world_size=P, rank=rank, local_rank=rank,
+                                        backend="gloo", timeout=120,
+                                        distributed_init_method=f"tcp://127.0.0.1:{port}")
+        orig = ps.init_model_parallel_group
+        ps.init_model_parallel_group = lambda *a, **kw: orig(
+            *a, **{**kw, "use_pynccl": False, "use_custom_allreduce": False})
+        ps.initialize_model_parallel(backend="gloo")
+        results = {name: fn(rank) for name, fn in SCENARIOS.items()}
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        results = {"error": traceback.format_exc()}
+    with open(path, "w") as f:
+        json.dump(results, f)
+    os._exit(0)  # skip SGLang's atexit teardown of the process groups
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    import multiprocessing as mp
+
+    out = tmp_path_factory.mktemp("ula_sgl_tp")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_rank_main, args=(r, port, str(out))) for r in range(P)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(TIMEOUT_S)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    results = []
+    for r in range(P):
+        f = out / f"rank{r}.json"
+        results.append(json.loads(f.read_text()) if f.exists() else {"error": "no result"})
+    errors = [(r, res["error"]) for r, res in enumerate(results) if "error" in res]
+    assert not errors, "\n".join(f"rank {r}:\n{e}" for r, e in errors)
+    return results
+
+
+def test_rows_hold_the_written_bytes_per_layer_groups(ranks):
+    for rank, res in enumerate(ranks):
+        r = res["perlayer"]
+        assert all(v > 0 for k, v in r["seen"].items() if k != "shared_buffered"), r["seen"]
+        c = r["counters"]
+        for what in ("promotions", "spills", "peer_fetches", "buffer_hits", "new_buffered",
+                     "buffer_evictions"):
+            assert c[what] > 0, (rank, what, c)
+        for what in ("peer_missing", "buffer_overflow", "access_overflow", "place_overflow"):
+            assert c[what] == 0, (rank, what, c)
+        assert r["capacity_back"] and r["device_tokens"] >= 0
+
+
+def test_shared_layers_load_their_own_rows(ranks):
+    for res in ranks:
+        r = res["shared"]
+        assert r["seen"]["shared_buffered"] > 0 and r["seen"]["own"] > 0, r["seen"]
+        assert r["mutant_caught"] > 0, "skipping the shared layers' load went unnoticed"
+
+
+def test_alloc_extend_agrees_across_ranks(ranks):
+    got = [res["pressure"] for res in ranks]
+    assert got[0] == got[1]
+    assert got[0] == {"too_long": True, "logical_one_rank": True, "room_one_rank": True,
+                      "then_fits": True, "capacity_unchanged": True}
+
+
+def test_per_rank_pool_is_one_pth_of_replicated(ranks):
+    for res in ranks:
+        m = res["memory"]
+        assert m["tp_class"] == "UlaCacheTPDSATokenToKVPool"
+        assert m["dp_class"] == "UlaCacheDSATokenToKVPool"
+        (g_dp, c_dp), (g_tp, c_tp) = m["dp"], m["tp"]
+        assert (g_dp, c_dp) == (N, 3 * N)
+        assert (g_tp * P, c_tp * P) == (g_dp, c_dp)
+        assert m["tp_kv_rows"] == -(-(PAGE + N // P + 1 + 100) // PAGE) * PAGE
+
+
+def test_sharded_topk_hook_equals_full_topk_on_every_rank(ranks):
+    got = [res["topk"] for res in ranks]
+    for r in got:
+        assert r["equal"] and r["dtype"] == "torch.int32"
+        assert r["passthrough"] == ["original", "original"] and r["calls"] == [K, K]
+    assert got[0]["got"] == got[1]["got"]
