@@ -59,8 +59,14 @@ class RankResult:
     def share(self, name: str) -> float:
         return getattr(self, name) / max(1, self.selected)
 
+    @property
+    def buffer_hit_rate(self) -> float:
+        """Of the peers' rows a rank read, the share its buffer already held."""
+        return self.buffer_hits / max(1, self.buffer_hits + self.peer_fetches)
+
     def to_dict(self) -> dict:
         return {**asdict(self), "unique_share": self.unique_share,
+                "buffer_hit_rate": self.buffer_hit_rate,
                 **{f"{n}_share": self.share(n) for n in
                    ("buffer_hits", "own_rows", "promoted", "peer_fetches")}}
 
@@ -172,24 +178,29 @@ def format_tp_results(trace: Trace, res: TPReplayResult) -> str:
         f"{res.cpu_slots} + buffer {res.buffer_slots} rows of {res.row_bytes} B; shares are of "
         "each step's distinct selections, bytes per step summed over the groups",
         f"{'rank':>4} {'unique rows':>11} {'copies':>7} {'unique':>7} {'buf hit':>8} "
-        f"{'own':>6} {'(CPU)':>6} {'peer':>6} {'peer KB/step':>13} {'PCIe KB/step':>13}",
+        f"{'own':>6} {'(CPU)':>6} {'peer':>6} {'hit/peer':>9} {'peer KB/step':>13} "
+        f"{'PCIe KB/step':>13}",
     ]
     for r in res.ranks:
         lines.append(
             f"{r.rank:>4} {r.unique_rows:>11} {r.buffered_rows:>7} {r.unique_share:>7.1%} "
             f"{r.share('buffer_hits'):>8.1%} {r.share('own_rows'):>6.1%} "
             f"{r.share('promoted'):>6.1%} {r.share('peer_fetches'):>6.1%} "
-            f"{r.peer_bytes_per_step / 1024:>13.1f} {r.pcie_bytes_per_step / 1024:>13.1f}")
+            f"{r.buffer_hit_rate:>9.1%} {r.peer_bytes_per_step / 1024:>13.1f} "
+            f"{r.pcie_bytes_per_step / 1024:>13.1f}")
     sel = sum(r.selected for r in res.ranks) / P
     peer_pred = (P - 1) / P * sel * res.row_bytes / res.steps
-    hit = sum(r.buffer_hits for r in res.ranks) / max(1, sum(r.selected for r in res.ranks))
+    hits = sum(r.buffer_hits for r in res.ranks)
+    hit = hits / max(1, sum(r.selected for r in res.ranks))
+    hit_peer = hits / max(1, hits + sum(r.peer_fetches for r in res.ranks))
     own = sum(r.own_rows for r in res.ranks) / max(1, sum(r.selected for r in res.ranks))
     peer_kb = sum(r.peer_bytes_per_step for r in res.ranks) / P / 1024
     lines += [
         f"paper's accounting: a rank owns 1/P = {1 / P:.1%} of the selections (measured "
         f"{own:.1%}) and reads (P-1)/P = {(P - 1) / P:.1%} from peers, "
-        f"{peer_pred / 1024:.1f} KB/step without a buffer; the buffer served {hit:.1%} "
-        f"(measured {peer_kb:.1f} KB/step from peers)",
+        f"{peer_pred / 1024:.1f} KB/step without a buffer; the buffer served {hit:.1%} of the "
+        f"selections ({hit_peer:.1%} of the peers' rows), leaving {peer_kb:.1f} KB/step "
+        f"from peers (x{peer_kb * 1024 / max(1e-9, peer_pred):.3f} of the bufferless figure)",
         f"own rows are read in place (attention indexes one tensor [own pool | buffer]): "
         f"{sum(r.in_place_bytes_per_step for r in res.ranks) / P / 1024:.1f} KB/step per rank "
         "that a copy into the buffer would move, and buffer slots it would take",
