@@ -47,7 +47,8 @@ class TPHarness:
     """Plays SGLang's side on one rank (as the DP contract test's Harness does), plus the
     classification of every row it checks: own / this round's copy / other buffered copy."""
 
-    def __init__(self, shared: bool, validate: bool, rank: int, max_reqs: int = 4):
+    def __init__(self, shared: bool, validate: bool, rank: int, max_reqs: int = 4,
+                 buffer_slots: int = 400):
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
         from ulacache.config import SGLangOptions
@@ -58,7 +59,7 @@ class TPHarness:
         )
 
         opts = SGLangOptions(mode="tp", cpu_ratio=3, n_buckets=4, validate=validate,
-                             buffer_slots=400, shard_indexer=True)
+                             buffer_slots=buffer_slots, shard_indexer=True)
         ratio = opts.host_to_device_ratio
         self.rank = rank
         self.rtp = ReqToTokenPool(size=max_reqs, max_context_len=4096, device="cpu",
@@ -278,7 +279,9 @@ def scenario_perlayer(rank: int) -> dict:
 
 
 def scenario_shared(rank: int) -> dict:
-    h = TPHarness(shared=True, validate=False, rank=rank)
+    # the smallest buffer the coordinator accepts (4 requests x 2 tokens x 33): copies are
+    # evicted, so every step fetches peers' rows again
+    h = TPHarness(shared=True, validate=False, rank=rank, buffer_slots=264)
     for idx, n in ((1, 350), (2, 300)):
         h.prefill(idx, n, chunk=200)
     h.coord.collect_ready_reqs()
@@ -454,7 +457,7 @@ def test_rows_hold_the_written_bytes_per_layer_groups(ranks):
             assert c[what] > 0, (rank, what, c)
         for what in ("peer_missing", "buffer_overflow", "access_overflow", "place_overflow"):
             assert c[what] == 0, (rank, what, c)
-        assert r["capacity_back"] and r["device_tokens"] >= 0
+        assert r["capacity_back"] and r["device_tokens"] > 0
 
 
 def test_shared_layers_load_their_own_rows(ranks):
@@ -488,3 +491,141 @@ def test_sharded_topk_hook_equals_full_topk_on_every_rank(ranks):
         assert r["equal"] and r["dtype"] == "torch.int32"
         assert r["passthrough"] == ["original", "original"] and r["calls"] == [K, K]
     assert got[0]["got"] == got[1]["got"]
+
+
+# ---------------------------------------------------------------------------------------------
+# single-process: server args, sizing hook, TP hook verification
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def clean_env(monkeypatch):
+    """``UlaServerArgs.__post_init__`` exports the backend; undo it. Top-k broadcast on."""
+    from ulacache.patches import server_args as ula_args
+
+    monkeypatch.delenv(ula_args.ENV_KV_BACKEND, raising=False)
+    monkeypatch.setenv("SGLANG_DSA_TOPK_BROADCAST", "1")
+    return monkeypatch
+
+
+def _tp_args(**kw):
+    from ulacache.patches.server_args import UlaServerArgs
+
+    return UlaServerArgs(model_path="dummy", device="cpu", kv_backend="ulacache",
+                         ulacache_config={"mode": "tp"}, **kw)
+
+
+@pytest.mark.parametrize(("kw", "fragment"), [
+    ({"tp_size": 1}, "--tp 1"),
+    ({"tp_size": 16}, "--tp 16"),
+    ({"tp_size": 6}, "--tp 6"),
+    ({"tp_size": 8, "attn_dp_size": 8}, "--attn-dp-size 8 with --tp 8"),
+    ({"tp_size": 8, "attn_dp_size": 3}, "--attn-dp-size 3"),
+    ({"tp_size": 2, "pp_size": 2}, "--pp-size 2"),
+    ({"tp_size": 2, "attn_cp_size": 2}, "--attn-cp-size 2"),
+])
+def test_tp_mode_refuses_illegal_parallelism_naming_flags(clean_env, kw, fragment):
+    from ulacache.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        _tp_args(**kw)
+    msg = str(info.value)
+    assert fragment in msg and "Legal:" in msg and "mode 'tp'" in msg, msg
+
+
+def test_tp_mode_needs_the_topk_broadcast(clean_env):
+    from ulacache.errors import ConfigError
+
+    for value in (None, "0", "false"):
+        if value is None:
+            clean_env.delenv("SGLANG_DSA_TOPK_BROADCAST")
+        else:
+            clean_env.setenv("SGLANG_DSA_TOPK_BROADCAST", value)
+        with pytest.raises(ConfigError, match="SGLANG_DSA_TOPK_BROADCAST=1"):
+            _tp_args(tp_size=2)
+
+
+def test_tp_mode_accepts_legal_parallelism(clean_env):
+    for kw in ({"tp_size": 2}, {"tp_size": 4}, {"tp_size": 8}, {"tp_size": 8, "attn_dp_size": 2},
+               {"tp_size": 8, "attn_dp_size": 4}):
+        args = _tp_args(**kw)
+        assert json.loads(args.ulacache_config) == {"mode": "tp"}
+    clean_env.delenv("SGLANG_DSA_TOPK_BROADCAST")
+    from ulacache.patches.server_args import UlaServerArgs
+
+    UlaServerArgs(model_path="dummy", device="cpu", kv_backend="ulacache", tp_size=1)  # dp
+
+
+def test_sizing_hook_charges_one_pth_of_the_latent_and_the_buffer(monkeypatch):
+    """DeepSeek-V3.2 fp8 numbers: latent 656 B x 61 layers per token, index-K 132 B x 61 x 5
+    (cpu_ratio 4) charged in full; at P = 4 the latent costs ceil(40016 / 4) per token per
+    rank and the buffer R x (K + 1) rows per layer is fixed overhead."""
+    import sglang.srt.mem_cache.kv_cache_configurator as kvcm
+    import sglang.srt.runtime_context as rc
+
+    from ulacache.config import SGLangOptions
+    from ulacache.errors import ConfigError
+    from ulacache.patches import sglang_tp_support as tps
+
+    monkeypatch.setattr(kvcm, "calculate_mla_kv_cache_dim", lambda **kw: 656)
+    monkeypatch.setattr(rc, "get_schedule", lambda: types.SimpleNamespace(max_running_requests=8))
+    monkeypatch.setattr(tps, "tp_group", lambda: types.SimpleNamespace(world_size=4))
+    monkeypatch.setattr(tps, "draft_tokens", lambda: 0)
+    monkeypatch.setattr(tps, "SIZED", {})
+    kvc = types.SimpleNamespace(
+        is_draft_worker=False, use_mla_backend=True, kv_cache_dtype=torch.float8_e4m3fn,
+        layer_info=types.SimpleNamespace(num_effective_layers=61),
+        model_config=types.SimpleNamespace(hf_text_config=types.SimpleNamespace(
+            index_topk=2048)))
+    latent, index_k = 656 * 61, 132 * 61 * 5
+
+    def stock(self, kvc):
+        self._cell_size, self._fixed_overhead_bytes = latent + index_k, 0
+
+    def run(opts, **kvc_changes):
+        monkeypatch.setattr(tps, "sglang_options", lambda: opts)
+        cfg = types.SimpleNamespace()
+        tps.pool_configurator_init_around(stock, cfg, types.SimpleNamespace(
+            **{**vars(kvc), **kvc_changes}))
+        return cfg._cell_size, cfg._fixed_overhead_bytes
+
+    assert run(SGLangOptions()) == (latent + index_k, 0)  # DP mode: stock
+    tp = SGLangOptions(mode="tp")
+    assert run(tp, is_draft_worker=True) == (latent + index_k, 0)
+    B = 8 * 1 * 2049
+    assert run(tp) == (10004 + index_k, (B + 65) * 61 * 656)
+    assert tps.SIZED == {"buffer_slots": B, "tp_size": 4}
+    assert run(SGLangOptions(mode="tp", buffer_slots=1000))[1] == 1065 * 61 * 656
+    monkeypatch.setattr(rc, "get_schedule",
+                        lambda: types.SimpleNamespace(max_running_requests=None))
+    with pytest.raises(ConfigError, match="--max-running-requests"):
+        run(tp)
+
+
+def test_tp_hooks_are_registered_with_the_swaps_and_verified():
+    from ulacache.patches import classes
+    from ulacache.patches.verify import TP_HOOK_TARGETS, HookVerificationError, verify_tp_hooks
+
+    assert set(TP_HOOK_TARGETS) <= set(classes.EXTRA_HOOKS)
+    with pytest.raises(HookVerificationError) as info:
+        verify_tp_hooks([])
+    for target in TP_HOOK_TARGETS:
+        assert target in str(info.value)
+
+
+def test_tp_pool_stops_when_its_hooks_are_missing(monkeypatch):
+    """With the plugin's class swaps installed but the TP hooks absent, constructing the TP
+    pool raises before it touches any process group."""
+    from ulacache.config import SGLangOptions
+    from ulacache.patches import plugin
+    from ulacache.patches.classes import UlaCacheDSATokenToKVPool
+    from ulacache.patches.verify import ExpectedHook, HookVerificationError
+
+    target = next(iter(plugin.CLASS_TARGETS))
+    monkeypatch.setattr(plugin, "expected_hooks",
+                        lambda: [ExpectedHook(target, UlaCacheDSATokenToKVPool, "replace")])
+    with pytest.raises(HookVerificationError, match="mode 'tp' needs these hooks"):
+        UlaCacheDSATokenToKVPool(
+            N, page_size=PAGE, kv_lora_rank=KVL, dtype=torch.bfloat16, qk_rope_head_dim=ROPE,
+            layer_num=L, device="cpu", index_head_dim=128, enable_memory_saver=False,
+            kv_cache_dim=KVL + ROPE, max_running_requests=4, host_to_device_ratio=4,
+            ulacache_options=SGLangOptions(mode="tp", buffer_slots=8),
+            ulacache_tp_group=object())

@@ -418,3 +418,72 @@ def test_tp_prometheus_text_has_the_gate_counters():
         assert f'ulacache_tp_buffer_used_slots{{group="0",rank="{rank}"}} 4.0' in text
         assert f'ulacache_tp_peer_bytes_total{{group="0",rank="{rank}"}} 0.0' in text
         assert 'ulacache_placed_total{group="0"} 4.0' in text
+
+
+# -- production mode (validate off): overflow masked, counted, never served wrong ---------------
+def test_production_mode_masks_and_counts_overflow_on_every_gate(caplog):
+    """Validate off, as under SGLang: a buffer too small for a step's peer rows, an owner whose
+    pool cannot take a step's rows, out-of-range and never-placed addresses. Nothing raises,
+    every served row holds its own bytes, the rest read as padding and are counted, integrity
+    holds on every rank, and the round boundary warns."""
+    cfg = _small(layers_per_group=1, gpu_slots=4, cpu_slots=28, buffer_slots=3, validate=False)
+    rows_in = torch.randint(0, 256, (24, 16), dtype=torch.uint8,
+                            generator=torch.Generator().manual_seed(5))
+
+    def body(peers):
+        s = TPAddressSpace(cfg, peers, n_logical=32)
+        for chunk in (torch.arange(0, 6), torch.arange(6, 12), torch.arange(12, 18),
+                      torch.arange(18, 24)):
+            s.begin_round()  # new rows of a round: 3 each per rank, within G and B
+            s.place(chunk)
+            s.write(0, chunk, rows_in[chunk])
+        s.begin_round()
+        before = s.counters()[0]
+        # 12 distinct addresses: 6 per owner (> G = 4: owner overflow), 6 peers' (> B = 3)
+        sel = torch.tensor([[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11], [40, -1, 25, 25, 1, 0]])
+        rows = s.access(0, sel)
+        got = s.attn_rows(0)[rows.clamp(min=0).long()]
+        for b in range(3):
+            for j in range(6):
+                a = int(sel[b, j])
+                if int(rows[b, j]) >= 0:
+                    assert 0 <= a < 24 and torch.equal(got[b, j], rows_in[a])
+        assert int(rows[2, 0]) == int(rows[2, 1]) == -1  # out of range, padding
+        assert int(rows[2, 2]) == int(rows[2, 3]) == -1  # never placed
+        after = s.counters()[0]
+        d = {k: after[k] - before[k] for k in after}
+        live = torch.zeros(32, dtype=torch.bool)
+        live[:24] = True
+        s.check_integrity(live)
+        s.begin_round()  # the monitor reports the overflow
+        return d, int((rows >= 0).sum())
+    results = run_ranks(2, body)
+    for d, served in results:
+        assert d["access_overflow"] > 0  # own rows beyond the pool
+        assert d["peer_missing"] + d["buffer_overflow"] > 0
+        assert d["invalid"] >= 1  # 25 (never placed) on its owner; 40 out of range
+        assert served < 15
+    assert any("buffer slot" in r.getMessage() or "owner could not" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_new_rows_that_find_no_buffer_slot_are_read_from_their_owner():
+    """Validate off: a round places more peers' rows than the buffer holds; the extra rows are
+    counted (``buffer_overflow``) and left to their owner, and a later round reads them from
+    the owner's pool, byte for byte."""
+    cfg = _small(layers_per_group=1, gpu_slots=8, cpu_slots=8, buffer_slots=2, validate=False)
+    rows_in = torch.randint(0, 256, (8, 16), dtype=torch.uint8,
+                            generator=torch.Generator().manual_seed(6))
+
+    def body(peers):
+        s = TPAddressSpace(cfg, peers, n_logical=32)
+        s.begin_round()
+        s.place(torch.arange(8))  # 4 peers' rows per rank, 2 buffer slots
+        s.write(0, torch.arange(8), rows_in)
+        overflow = s.counters()[0]["buffer_overflow"]
+        s.begin_round()  # the rows that overflowed (each rank's last two peers' rows)
+        rows = s.access(0, torch.arange(4, 8).view(1, 4))
+        got = s.attn_rows(0)[rows.long()].view(4, 16)
+        return overflow, torch.equal(got, rows_in[4:]), s.counters()[0]["peer_fetches"]
+    for overflow, same, fetched in run_ranks(2, body):
+        assert overflow == 2 and same and fetched == 2

@@ -207,6 +207,12 @@ class Peers(abc.ABC):
         """Collective. ``[P, *t.shape]`` of ``t.dtype`` on ``self.device``; row ``r`` is rank
         ``r``'s ``t``. Every rank passes one shape and dtype."""
 
+    def fence(self) -> None:
+        """Collective: work issued before it on any rank (this rank: on the current stream)
+        is ordered before work issued after it on every rank. Default: :meth:`barrier`;
+        :class:`CudaIpcPeers` with a stream-ordered ``collective`` needs no host sync."""
+        self.barrier()
+
     @abc.abstractmethod
     def _release(self) -> None:
         """Backend part of :meth:`close` (runs once)."""
@@ -463,10 +469,11 @@ def _gather_bytes(t: torch.Tensor, size: int, group) -> torch.Tensor:
     import torch.distributed as dist
 
     t = t.detach().contiguous()
+    if not t.numel():  # nothing to send (a byte view of [P, 0] cannot be re-typed)
+        return torch.empty((size, *t.shape), dtype=t.dtype)
     flat = t.reshape(-1).view(torch.uint8)
     out = torch.empty((size, flat.numel()), dtype=torch.uint8)
-    if flat.numel():
-        dist.all_gather(list(out.unbind(0)), flat, group=group)
+    dist.all_gather(list(out.unbind(0)), flat, group=group)
     return out.view(t.dtype).view(size, *t.shape)
 
 
@@ -844,6 +851,15 @@ class CudaIpcPeers(Peers):
         self._check_open()
         torch.cuda.current_stream(self.device).synchronize()
         dist.barrier(group=self.group)
+
+    def fence(self) -> None:
+        """With a stream-ordered ``collective`` (NCCL): a one-element all-gather on the current
+        stream, which every rank's later kernels wait for and which waits for every rank's
+        earlier kernels, with no host sync; without one: :meth:`barrier`."""
+        if self.collective is None:
+            self.barrier()
+            return
+        self.all_gather(torch.zeros(1, dtype=torch.int32, device=self.device))
 
     def all_gather(self, t: torch.Tensor, *,
                    collective: Callable[[torch.Tensor, torch.Tensor], Any] | None = None

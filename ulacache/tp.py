@@ -182,6 +182,10 @@ class TPAddressSpace:
     def stream(self):
         return self.local.stream
 
+    def set_stream(self, stream) -> None:
+        """Issue every core mutation on ``stream`` (the engine's forward stream)."""
+        self.local.set_stream(stream)
+
     @property
     def health(self) -> CounterMonitor:
         """The DP counters' monitor of this rank's shard (``tp_health``: the TP gates')."""
@@ -204,6 +208,13 @@ class TPAddressSpace:
         inrange = (flat >= 0) & (flat < self.n_logical)
         mine = inrange & (owner_rank(flat, self.P) == self.rank)
         return flat, inrange, mine, torch.where(mine, local_position(flat, self.P), -1)
+
+    def _count_out_of_range(self, groups, flat: torch.Tensor, inrange: torch.Tensor) -> None:
+        """Validate off: global addresses out of range are masked here (their local position is
+        -1, which the shard's groups skip as padding), so count them as ``invalid`` here."""
+        bad = ((flat != -1) & ~inrange).sum()
+        for g in groups:
+            g._count(invalid=bad)
 
     def _count(self, gi: int, **values: torch.Tensor) -> None:
         zero = torch.zeros((), dtype=torch.int64, device=self.device)
@@ -235,10 +246,11 @@ class TPAddressSpace:
 
     # -- rounds ---------------------------------------------------------------------------
     def begin_round(self) -> None:
-        """Fence the group (every rank finished the last round's reads), then advance every
-        policy and buffer."""
-        self.peers.barrier()
+        """Fence the group on the core stream (every rank's reads of the last round come
+        before any rank's eviction in this one; on a GPU with a stream-ordered collective this
+        costs no host sync), then advance every policy and buffer."""
         with self.stream.scope():
+            self.peers.fence()
             for b in self.buffers:
                 b.advance()
         self.local.begin_round()
@@ -281,6 +293,7 @@ class TPAddressSpace:
         safe = torch.where(theirs, flat, self.n_logical)
         with self.stream.scope():
             slots = self.local.place(lpos)
+            self._count_out_of_range(self.groups, flat, inrange)
             for gi, b in enumerate(self.buffers):
                 want = b.first(safe, theirs & (b.lookup(safe) < 0))
                 got, evicted = b.claim(safe, want)
@@ -296,6 +309,7 @@ class TPAddressSpace:
         safe = torch.where(inrange, flat, self.n_logical)
         with self.stream.scope():
             self.local.release(lpos)
+            self._count_out_of_range(self.groups, flat, inrange)
             for gi, b in enumerate(self.buffers):
                 self._count(gi, buffer_drops=b.drop(safe))
 
@@ -373,6 +387,7 @@ class TPAddressSpace:
         with self.stream.scope():
             # 1. own rows (promotions included), 2. exchange: also the data-ready fence
             own = g.access(lpos.view(shape)).reshape(-1)
+            self._count_out_of_range([g], flat, inrange)
             table = self.peers.all_gather(own.view(shape)).reshape(self.P, -1)
             owner = torch.where(inrange, owner_rank(flat, self.P), 0)
             owner_slot = table.gather(0, owner.unsqueeze(0)).squeeze(0).to(torch.int64)
