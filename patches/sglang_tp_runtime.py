@@ -71,7 +71,7 @@ class UlaCacheTPTokenToKVPoolAllocator(UlaCacheTokenToKVPoolAllocator):
             if locs is not None:
                 self.logical_attn_allocator.free(locs)
             return None
-        with self.core.stream.scope():  # the fence syncs the forward stream, not ours
+        with self.core.stream.scope():  # the fence is ordered on the forward stream, not ours
             self.core.begin_round()
         try:
             self.core.check_place(locs)  # collective: the same verdict on every rank
@@ -129,7 +129,7 @@ class UlaCacheTPCoordinator(UlaCacheCoordinator):
         self.core.local.set_stream(stream)
 
     def _begin_round(self) -> None:
-        with self.core.stream.scope():  # the group fence syncs the forward stream
+        with self.core.stream.scope():  # the group fence is ordered on the forward stream
             self.core.begin_round()
 
     def map_last_loc_to_buffer(self, seq_lens, out_cache_loc, req_pool_indices, seq_lens_cpu,
