@@ -126,15 +126,10 @@ class TPHarness:
                 if what == "buffered" and not anchor:
                     self.seen["shared_buffered"] += 1
 
-    def check(self, integrity: bool = True) -> None:
+    def check(self) -> None:
         """Allocator + core invariants (collective), own rows hold exactly this rank's live
-        tokens with their bytes, and every live token reads back from its owner.
-
-        ``integrity=False`` skips the core's check_integrity, whose buffer cross-check
-        all-gathers an empty tensor when no rank holds a copy: ``ulacache.ipc._gather_bytes``
-        cannot view a ``[P, 0]`` byte tensor as int64 (a core bug, reported)."""
-        if integrity:
-            self.alloc.check_integrity()
+        tokens with their bytes, and every live token reads back from its owner."""
+        self.alloc.check_integrity()
         for gi, g in enumerate(self.core.local.groups):
             mapped = torch.nonzero(g.loc[: g.n_logical] >= 0).reshape(-1)
             mine = {int(u) * P + self.rank for u in mapped}
@@ -268,7 +263,7 @@ def scenario_perlayer(rank: int) -> dict:
     stats = h.coord.get_token_stats()
     for idx in (1, 3, 4):
         h.finish(idx)
-    h.check(integrity=False)  # nothing buffered anywhere: see TPHarness.check
+    h.check()  # nothing buffered anywhere: the buffers' cross-check gathers nothing
     capacity_back = h.alloc.available_size() == h.alloc.size_full
     h.close()
     return {"seen": h.seen, "capacity_back": capacity_back, "device_tokens": stats.device_tokens,
