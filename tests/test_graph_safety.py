@@ -64,3 +64,43 @@ def test_access_path_is_sync_free_and_fixed_shape(policy, monkeypatch):
     assert not names & SYNCING, names & SYNCING
     assert logs[0] == logs[1], "op sequence or output shapes depend on the data"
     c.check_integrity()
+
+
+def test_tp_plan_and_load_are_sync_free_and_fixed_shape(monkeypatch):
+    """TP mode's step path (plan: own access, slot-table exchange, buffer gates; load: the peer
+    gather of one layer), validate off, on every rank of a P = 2 group: no syncing op, and the
+    same op sequence and shapes for two steps with different data (dispatch modes are per
+    thread, so each rank logs its own ops)."""
+    from ulacache.ipc import run_ranks
+    from ulacache.tp import TPAddressSpace
+
+    monkeypatch.setattr(ref, "COMPACT_ON_CPU", False)
+    cfg = UlaCacheConfig(layout="tiny", row_bytes=16, n_layers=2, layers_per_group=2,
+                         gpu_slots=24, cpu_slots=120, page_size=4, n_buckets=4, tp_size=2,
+                         buffer_slots=24, validate=False)
+
+    def body(peers):
+        s = TPAddressSpace(cfg, peers, n_logical=256)
+        for i in range(0, 200, 20):
+            s.begin_round()
+            s.place(torch.arange(i, i + 20))
+        out = torch.empty(2, 8, dtype=torch.int32)
+        logs = []
+        for seed in (0, 1):
+            sel = torch.randperm(200, generator=torch.Generator().manual_seed(seed))[:16]
+            sel = sel.view(2, 8).clone()
+            sel[0, -1 - seed] = -1
+            s.begin_round()
+            log = OpLog()
+            with log:
+                s.plan(0, sel, out=out)
+                s.load(0)
+                s.load(1)
+            logs.append(log.ops)
+        c = s.counters()[0]
+        return logs, c["peer_fetches"], c["promotions"]
+    for logs, fetched, promoted in run_ranks(2, body):
+        assert fetched > 0 and promoted > 0
+        names = {op for op, _ in logs[0]}
+        assert not names & SYNCING, names & SYNCING
+        assert logs[0] == logs[1], "op sequence or output shapes depend on the data"
