@@ -14,12 +14,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ulacache import indexer as ix
 from ulacache.errors import ShapeError
 from ulacache.oracle.refmodel import ModelGeometry, select_topk
 from ulacache.tools import traces
+
+from .test_graph_safety import OpLog
 
 TYPING_TRACE = os.path.join(os.path.dirname(__file__), "fixtures", "typing-py-1024-k64.trace.npz")
 TP_SIZES = (1, 2, 3, 4, 8)
@@ -267,19 +268,6 @@ class FuncLog(TorchFunctionMode):
                 for a in (args[1] if isinstance(args[1], tuple) else (args[1],))):
             raise AssertionError(f"boolean-mask {name} on the device path")
         return func(*args, **(kwargs or {}))
-
-
-class OpLog(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops: list[tuple[str, tuple]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        shapes = tuple(tuple(o.shape) for o in outs if isinstance(o, torch.Tensor))
-        self.ops.append((str(func.overloadpacket), shapes))
-        return out
 
 
 def test_device_path_is_sync_free_and_fixed_shape():

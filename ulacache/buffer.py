@@ -28,10 +28,9 @@ from __future__ import annotations
 
 import torch
 
+from .group import _NO_CLAIM, first_occurrence
 from .pblru import make_policy
 from .pools import allocate
-
-_NO_CLAIM = torch.iinfo(torch.int64).max
 
 
 class LocalBuffer:
@@ -54,11 +53,7 @@ class LocalBuffer:
 
     def first(self, safe: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """``keep`` restricted to the first occurrence of each address."""
-        pos = torch.arange(safe.numel(), device=self.device)
-        self._claim.scatter_reduce_(0, safe, torch.where(keep, pos, _NO_CLAIM), "amin")
-        first = keep & (self._claim[safe] == pos)
-        self._claim.index_fill_(0, safe, _NO_CLAIM)
-        return first
+        return first_occurrence(self._claim, safe, keep)
 
     def touch(self, slots: torch.Tensor) -> None:
         """Mark buffer hits as read this round (pins them; ``-1`` skipped)."""

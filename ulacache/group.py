@@ -64,6 +64,18 @@ def occupancy(c: dict[str, int]) -> tuple[int, int]:
 _NO_CLAIM = torch.iinfo(torch.int64).max
 
 
+def first_occurrence(claim: torch.Tensor, safe: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``keep`` (``bool [n]``) restricted to the first occurrence of each index of ``safe``
+    (``int64 [n]``, in range of ``claim``). ``claim`` is an ``int64`` table all ``_NO_CLAIM``
+    before and after the call (scatter the positions with ``amin``, compare, reset): O(n),
+    fixed shapes, no sync."""
+    pos = torch.arange(safe.numel(), device=safe.device)
+    claim.scatter_reduce_(0, safe, torch.where(keep, pos, _NO_CLAIM), "amin")
+    first = keep & (claim[safe] == pos)
+    claim.index_fill_(0, safe, _NO_CLAIM)
+    return first
+
+
 class SelectionGroup:
     """Pools, mapping and replacement policy of the layers that share one top-k selection.
 
@@ -146,11 +158,7 @@ class SelectionGroup:
 
     def _first(self, safe: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """``keep`` restricted to the first occurrence of each address (claim table)."""
-        pos = torch.arange(safe.numel(), device=self.device)
-        self._claim.scatter_reduce_(0, safe, torch.where(keep, pos, _NO_CLAIM), "amin")
-        first = keep & (self._claim[safe] == pos)
-        self._claim.index_fill_(0, safe, _NO_CLAIM)
-        return first
+        return first_occurrence(self._claim, safe, keep)
 
     def _li(self, layer: int) -> int:
         if isinstance(layer, bool) or not isinstance(layer, int) or layer not in self.layer_index:
