@@ -28,6 +28,12 @@ compute identical latent rows), so no rank reads a row from a peer in the round 
 
 Collective calls (every rank calls them in the same order with the same arguments):
 ``begin_round``, ``place``, ``plan``, ``access``, ``release``, ``read``, ``check_integrity``.
+
+Contract of a plan: every layer of the group calls :meth:`load` after the group's
+:meth:`plan` and before the next :meth:`begin_round` (SGLang's layer loop does: every layer's
+``swap_in_selected_pages``). The plan claims buffer slots for all layers at once; a layer that
+skipped its ``load`` would leave its bytes of those copies unfilled, and a later hit would read
+them. (The calls may be captured in a CUDA graph, so the core cannot track them on the host.)
 """
 
 from __future__ import annotations
