@@ -23,7 +23,12 @@ from typing import Any
 
 from .sglang_allocator import UlaCacheTokenToKVPoolAllocator
 from .sglang_coordinator import UlaCacheCoordinator
-from .sglang_pool import UlaCacheDSATokenToKVPool, layer_groups_from_skip, sglang_options
+from .sglang_pool import (
+    MODEL_SKIPS,
+    UlaCacheDSATokenToKVPool,
+    layer_groups_from_skip,
+    sglang_options,
+)
 from .sglang_tp_support import TP_HOOKS
 
 __all__ = ["UlaCacheDSATokenToKVPool", "UlaCacheTokenToKVPoolAllocator", "UlaCacheCoordinator",
@@ -46,7 +51,30 @@ def _parse_hisparse_config_around(original_fn, *args, **kwargs):
     return cfg
 
 
+def _build_dsa_kv_pool_around(original_fn, self, *args, **kwargs):
+    """Record the model's top-k sharing pattern (SGLang's own ``dsa_layer_skips_topk``) for the
+    pool being built, so shared layers join their anchor's selection group: under HiSparse SGLang
+    does not pass ``skip_topk_layers`` to the pool (it would elide their index-K). The index-K
+    allocation is unchanged. The coordinator cross-checks the groups against SGLang's
+    ``shared_index_layers`` at start-up."""
+    from sglang.srt.configs.model_config import dsa_layer_skips_topk, is_deepseek_dsa
+
+    cfg = self.model_config.hf_config
+    flags = None
+    if not getattr(self, "is_draft_worker", False) and is_deepseek_dsa(cfg):
+        info = self.layer_info
+        flags = [bool(dsa_layer_skips_topk(cfg, layer))
+                 for layer in range(info.start_layer, info.end_layer)]
+    token = MODEL_SKIPS.set(flags)
+    try:
+        return original_fn(self, *args, **kwargs)
+    finally:
+        MODEL_SKIPS.reset(token)
+
+
 EXTRA_HOOKS: dict[str, tuple[Any, str]] = {
+    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_dsa_kv_pool":
+        (_build_dsa_kv_pool_around, "around"),
     "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend.forward_extend":
         (_forward_extend_around, "around"),
     "sglang.srt.mem_cache.sparsity.factory.parse_hisparse_config":

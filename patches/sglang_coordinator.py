@@ -65,6 +65,7 @@ class UlaCacheCoordinator(HiSparseCoordinator):
         R = req_to_token_pool.req_to_token.shape[0]
         steps = max(1, num_draft_tokens)
         self._check_sizes(R - 1, steps, top_k)
+        self._check_groups(shared_index_layers)
         self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=device)
         self._row_ids = torch.arange(R * steps, device=device)
         self._rows_out = [torch.full((R * steps, top_k), -1, dtype=torch.int32, device=device)
@@ -76,6 +77,22 @@ class UlaCacheCoordinator(HiSparseCoordinator):
         self._producer_stream = None
         logger.info("ulacache coordinator: %d request rows, top-k %d, %d selection groups",
                     R, top_k, len(self.core.groups))
+
+    def _check_groups(self, shared_index_layers: list[bool] | None) -> None:
+        """Refuse to start when the pool's selection groups disagree with the model's top-k
+        sharing (SGLang's ``shared_index_layers``): a shared layer must be in its anchor's
+        group, an indexer layer must start one. ``None``: SGLang did not resolve the pattern
+        (no sharing, or its prefetch is off); nothing to compare."""
+        if shared_index_layers is None:
+            return
+        wrong = [layer for g in self.mem_pool_device.ula_groups for layer in g
+                 if layer < len(shared_index_layers)
+                 and bool(shared_index_layers[layer]) != (layer != g[0])]
+        if wrong:
+            raise ConfigError(
+                f"ulacache: the pool's selection groups {self.mem_pool_device.ula_groups} "
+                f"disagree with the model's top-k sharing at layers {wrong[:8]}; a shared layer "
+                "must reuse its anchor's rows. The pool's skip_topk_layers did not reach it")
 
     def _check_sizes(self, requests: int, steps: int, top_k: int) -> None:
         """Refuse to start unless the GPU pool holds one step's selections."""

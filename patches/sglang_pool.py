@@ -16,6 +16,7 @@ hands them out, so no ledger).
 
 from __future__ import annotations
 
+import contextvars
 import logging
 from contextlib import nullcontext
 
@@ -49,10 +50,26 @@ def sglang_options() -> SGLangOptions:
     return SGLangOptions.from_dict(parse_ulacache_config(getattr(args, "ulacache_config", None)))
 
 
+MODEL_SKIPS: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar(
+    "ulacache_model_skips", default=None)
+"""The model's "reuses the previous layer's top-k" flag of each layer of the pool being built,
+set around SGLang's DSA pool construction (``classes._build_dsa_kv_pool_around``): SGLang passes
+``skip_topk_layers`` to the pool only when it elides the shared layers' index-K, which it never
+does under HiSparse, so without this every layer would be its own selection group."""
+
+
 def layer_groups_from_skip(skip_topk_layers: list[bool] | None, layer_num: int,
                            start_layer: int = 0) -> list[list[int]]:
     """Selection groups (global layer ids): a layer that skips top-k reuses the previous layer's
-    selection, so it joins that layer's group (SGLang's ``skip_topk_layers``)."""
+    selection, so it joins that layer's group (SGLang's ``skip_topk_layers``, else the model's
+    pattern recorded in :data:`MODEL_SKIPS` while the pool is built)."""
+    if skip_topk_layers is None:
+        recorded = MODEL_SKIPS.get()
+        if recorded is not None and len(recorded) != layer_num:
+            logger.warning("ulacache: the model's top-k sharing pattern covers %d layers, the pool"
+                           " %d; one selection group per layer", len(recorded), layer_num)
+            recorded = None
+        skip_topk_layers = recorded
     groups: list[list[int]] = []
     for i in range(layer_num):
         layer = start_layer + i

@@ -248,6 +248,38 @@ def test_layer_groups_from_skip():
     assert layer_groups_from_skip(skip, 6) == [[0, 1, 2, 3], [4, 5]]
 
 
+def test_pool_groups_follow_the_models_sharing_when_sglang_passes_none():
+    """Under HiSparse SGLang builds the DSA pool without ``skip_topk_layers``; the hook around
+    ``_build_dsa_kv_pool`` records the model's pattern (SGLang's ``dsa_layer_skips_topk``) so
+    the pool still groups shared layers with their anchor, and the coordinator checks the
+    groups against SGLang's ``shared_index_layers`` at start-up."""
+    from ulacache.errors import ConfigError
+    from ulacache.patches import classes
+    from ulacache.patches.classes import UlaCacheCoordinator
+
+    hook = classes.EXTRA_HOOKS[
+        "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_dsa_kv_pool"][0]
+    cfg = types.SimpleNamespace(architectures=["GlmMoeDsaForCausalLM"], index_topk=K,
+                                index_topk_pattern="FSFS")  # F: runs the indexer, S: shares
+    configurator = types.SimpleNamespace(
+        model_config=types.SimpleNamespace(hf_config=cfg), is_draft_worker=False,
+        layer_info=types.SimpleNamespace(start_layer=0, end_layer=L))
+    h = hook(lambda self: Harness(False), configurator)  # the pool sees skip_topk_layers=None
+    assert h.pool.ula_groups == [[0, 1], [2, 3]]
+    assert classes.MODEL_SKIPS.get() is None  # reset after the build
+    draft = types.SimpleNamespace(**{**vars(configurator), "is_draft_worker": True})
+    assert hook(lambda self: Harness(False), draft).pool.ula_groups == [[0], [1], [2], [3]]
+
+    def coordinator(shared):
+        return UlaCacheCoordinator(
+            req_to_token_pool=h.rtp, token_to_kv_pool_allocator=h.alloc, top_k=K,
+            device_buffer_size=0, device="cpu", tp_group=None, shared_index_layers=shared)
+    coordinator([False, True, False, True])
+    coordinator(None)
+    with pytest.raises(ConfigError, match="disagree with the model's top-k sharing"):
+        coordinator([False, False, False, True])
+
+
 def test_extra_hooks_track_layer_and_size_from_cpu_ratio(monkeypatch):
     """The forward_extend hook tells the pool which layer's group a prefill page table is for;
     the parse_hisparse_config hook sizes the logical space as (1 + cpu_ratio) x GPU slots."""
