@@ -291,17 +291,29 @@ class TPAddressSpace:
         """New global addresses (distinct, unmapped): the owner gives each a GPU slot in every
         group; every other rank a buffer slot for its own copy of the row (filled by
         :meth:`write`). Returns ``int64 [n]`` local GPU slots of group 0 (``-1``: not this
-        rank's or not placed)."""
+        rank's or not placed).
+
+        Collective: the owners' outcomes are all-gathered (``int8 [P, groups, n]``) so that a
+        copy is made only of a row its owner stored. Validate off, an address the owner refused
+        (already live, duplicated, or no room: ``invalid`` / ``place_overflow``) gets no copy
+        anywhere, so every rank serves it alike (and a live row's copy is never replaced by an
+        unwritten slot)."""
         if self.validate:
             self.check_place(addrs)
         flat, inrange, mine, lpos = self._split(addrs, "place: addrs")
         theirs = inrange & ~mine
         safe = torch.where(theirs, flat, self.n_logical)
+        local_safe = torch.where(mine, lpos, self.n_local)
         with self.stream.scope():
+            was = [g.loc[local_safe] < 0 for g in self.groups]
             slots = self.local.place(lpos)
             self._count_out_of_range(self.groups, flat, inrange)
+            # this rank's verdict on its own addresses, per group: newly stored
+            stored = torch.stack([mine & w & (g.loc[local_safe] >= 0)
+                                  for g, w in zip(self.groups, was)]).to(torch.int8)
+            stored = self.peers.all_gather(stored).amax(0).bool()  # [groups, n]
             for gi, b in enumerate(self.buffers):
-                want = b.first(safe, theirs & (b.lookup(safe) < 0))
+                want = b.first(safe, theirs & stored[gi] & (b.lookup(safe) < 0))
                 got, evicted = b.claim(safe, want)
                 self._count(gi, new_buffered=(got >= 0).sum(), buffer_evictions=evicted,
                             buffer_overflow=(want & (got < 0)).sum())
