@@ -2,6 +2,7 @@
 
     ulacache replay [TRACE]                 # default: the bundled real trace
     ulacache replay --mode tp --tp-size 4   # the same through 4 ranks striping one space
+    ulacache replay --policy hisparse       # vs SGLang HiSparse's per-request buffers
     ulacache trace record TEXT -o OUT       # real top-k selections of SmolLM2 over a text
     ulacache trace stats TRACE              # locality figures and LRU / PB-LRU hit rates
 
@@ -87,6 +88,8 @@ def _replay(args: argparse.Namespace) -> int:
     from ulacache.pblru import POLICIES
 
     if args.mode == "tp":
+        if args.policy is not None or args.hisparse_slots is not None:
+            raise CliError("--policy and --hisparse-slots are for --mode dp")
         from .replay_tp import format_tp_results, replay_tp
 
         t0 = time.perf_counter()
@@ -100,14 +103,48 @@ def _replay(args: argparse.Namespace) -> int:
         return 0
     if args.tp_size != 1 or args.buffer_slots is not None:
         raise CliError("--tp-size and --buffer-slots are for --mode tp")
+    # --policy: one ulacache policy, or (hisparse / all) every policy next to HiSparse
+    with_hisparse = args.policy in ("hisparse", "all")
+    policies = list(POLICIES) if args.policy in (None, "hisparse", "all") else [args.policy]
+    if args.hisparse_slots is not None and not with_hisparse:
+        raise CliError("--hisparse-slots is for --policy hisparse or all")
+    gpu_slots = args.gpu_slots
+    if with_hisparse:
+        from .hisparse import hisparse_gpu_rows
+
+        if args.gpu_slots is not None:
+            raise CliError("--gpu-slots is set by --policy hisparse/all: ulacache's pool gets "
+                           "HiSparse's rows, requests x (H + 64); size it with --hisparse-slots")
+        h = args.hisparse_slots if args.hisparse_slots is not None else 2 * trace.k
+        if h < trace.k:
+            raise CliError(f"--hisparse-slots {h} < k = {trace.k} of trace {path}: one step's "
+                           "top-k must fit in the buffer")
+        gpu_slots = hisparse_gpu_rows(args.requests, h)
     results = []
-    for policy in POLICIES:  # every registered policy, on the same selections
+    for policy in policies:  # every requested policy, on the same selections
         t0 = time.perf_counter()
         results.append(replay(trace, requests=args.requests, steps=args.steps, layers=layers,
-                              gpu_slots=args.gpu_slots, cpu_slots=args.cpu_slots,
+                              gpu_slots=gpu_slots, cpu_slots=args.cpu_slots,
                               layout=args.layout, policy=policy, n_buckets=args.buckets,
                               progress=not args.json))
         logger.info("%s replay: %.1f s", policy, time.perf_counter() - t0)
+    if with_hisparse:
+        from .hisparse import format_comparison, replay_hisparse
+
+        t0 = time.perf_counter()
+        hs = replay_hisparse(trace, requests=args.requests, steps=args.steps, layers=layers,
+                             h_slots=h, layout=args.layout)
+        logger.info("hisparse replay: %.1f s", time.perf_counter() - t0)
+        if args.json:
+            pcie = {r.policy: r.h2d_bytes_per_step + r.d2h_bytes_per_step for r in results}
+            print(json.dumps({
+                "trace": str(path), "results": [r.to_dict() for r in results],
+                "hisparse": hs.to_dict(),
+                "pcie_bytes_per_step_ratio_hisparse_over": {
+                    p: hs.pcie_bytes_per_step / v if v else None for p, v in pcie.items()}}))
+        else:
+            print(format_comparison(trace, results, hs))
+        return 0
     if args.json:
         print(json.dumps({"trace": str(path), "results": [r.to_dict() for r in results]}))
     else:
@@ -186,6 +223,13 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--buffer-slots", type=_int_at_least(1), default=None,
                     help="TP mode: local buffer rows per rank and group (default requests x "
                     "(k + 1))")
+    rp.add_argument("--policy", default=None, choices=["pblru", "lru", "hisparse", "all"],
+                    help="dp mode: one ulacache policy; hisparse or all: every ulacache policy "
+                    "and SGLang's HiSparse (per-request buffers) at equal GPU rows (default: "
+                    "every ulacache policy)")
+    rp.add_argument("--hisparse-slots", type=_int_at_least(1), default=None,
+                    help="HiSparse device_buffer_size H per request and layer (default 2 x k, "
+                    "SGLang's rule: 4096 for top-k 2048)")
     rp.add_argument("--json", action="store_true")
     rp.set_defaults(func=_replay)
 
