@@ -1,0 +1,507 @@
+"""Unique history capacity and admissible concurrency: SGLang resident, HiSparse, ulacache.
+
+ACCOUNTING, NOT MEASUREMENT: every figure is arithmetic on the inputs below (row sizes, layer
+counts, memory budgets, weight sizes); nothing is allocated or timed.
+
+Systems, on P = 8 GPUs (per rank ``D`` bytes of GPU KV budget, ``H_host`` bytes of host budget;
+``lat`` = latent bytes per token over all layers, ``idx`` = index-K bytes per token):
+
+- **SGLang resident** (stock pool, SGLang's own cell ``lat + idx``): DP8 (attention data
+  parallel, each rank its own requests) and TP8 (the MLA latent and the index keys replicated on
+  every rank, so 1/P of the allocation is unique).
+- **HiSparse** (stock, ``host_to_device_ratio`` x): a device pool of ``G`` slots sized by
+  SGLang's cell ``lat + idx * x`` (index-K for every logical token on the GPU), an inclusive host
+  mirror of ``x G`` tokens (every token's latent on the host), per-request device buffers of
+  ``device_buffer_size + page`` slots carved from the device pool. Unique = ``x G``. Under pure
+  TP8 every rank holds the same pools (replicated).
+- **ulacache DP** (exclusive tiers, ``cpu_ratio`` c): ``G`` GPU + ``c G`` CPU latent rows, each
+  token in exactly one; cell ``lat + idx * (1 + c)``. Unique = ``(1 + c) G``. One decode step's
+  selections must fit the GPU pool: ``R x draft x (top_k + 1) <= G``.
+- **ulacache TP** (``patches/sglang_tp_support.py``): one address space striped over the 8
+  ranks; per rank per global GPU token ``ceil(lat / P)`` plus index-K ``idx * (1 + c)``
+  (replicated, what ships) or ``/ P`` (sharded, not built under SGLang); plus a fixed local
+  buffer of ``(B + 65) x layers x row`` bytes, ``B = R x draft x (top_k + 1)`` rows (raised to a
+  prefill's peer share ``S - ceil(S / P)`` when that is larger, else the prefill is refused).
+
+Ratios (x, c) are integers, as the launch flags, within the host budget. Capacity columns take
+the ratio with the most unique tokens whose GPU pool still holds one request of the longest
+length (its prefill is written there before HiSparse backs it up / ulacache spills it); each
+concurrency column takes the ratio that admits the most requests of that length (in the JSON).
+
+Also printed: the paper's two capacity figures (UlaCache §2.2.1, Figure 2) recomputed:
+12.5% unique at TP8, and HiSparse's 30.0M unique tokens in 53.3M slots (56.29%).
+
+    python bench/capacity.py                      # table (stdout), docs/capacity.png
+    python bench/capacity.py --json --png ''      # one JSON object, no PNG
+    python bench/capacity.py --static-gb h200=125 --host-gb h200=256 --weights-gb glm5=89
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+from ulacache.oracle.refmodel import ModelGeometry
+
+logger = logging.getLogger("bench.capacity")
+
+GB = 10**9  # decimal: vendors' HBM sizes and the paper's host budgets are in GB
+ROOT = Path(__file__).resolve().parents[1]
+LENGTHS = (32768, 65536, 131072)  # 32K, 64K, 128K history tokens per request
+PAGE = 64  # SGLang's DSA page size: pools are rounded down to whole pages
+MAX_RATIO = 1024  # highest host_to_device_ratio / cpu_ratio tried (ulacache's config bound)
+
+
+@dataclass(frozen=True)
+class Platform:
+    """Per-GPU memory budgets (GB). ``static_gb`` is what SGLang's ``mem_fraction_static`` gives
+    weights + KV pools; the rest of HBM is left to activations and CUDA graphs."""
+
+    label: str
+    hbm_gb: float
+    static_gb: float
+    host_gb: float  # host memory for KV per GPU
+    gpus: int = 8
+
+
+PLATFORMS = {
+    # 0.85 x 141 GB: docs/sglang.md's H200 launch flag; host 128 GB/GPU (1 TB/node): the paper's
+    # H200 CPU budget
+    "h200": Platform("8xH200", 141.0, 0.85 * 141.0, 128.0),
+    # 272 GB for model + cache and 192 GB/GPU of host (1.5 TB/node): the paper's B300 budgets
+    "b300": Platform("8xB300", 288.0, 272.0, 192.0),
+}
+
+# FP8 checkpoints at ~1 B/parameter, sharded evenly over 8 GPUs (the same for DP- and TP-
+# attention; DP attention's replicated attention weights are ignored): GLM-5 744B, DeepSeek-V3.2
+# 685B (671B + 14B MTP).
+WEIGHTS_GB = {"glm5": 744 / 8, "dsv32": 685 / 8}
+MODELS = {"glm5": ("GLM-5", ModelGeometry.glm5), "dsv32": ("DeepSeek-V3.2",
+                                                           ModelGeometry.deepseek_v32)}
+SYSTEMS = ("sglang_dp", "sglang_tp", "hisparse_dp", "hisparse_tp", "ulacache_dp",
+           "ulacache_tp_repl", "ulacache_tp_shard")
+LABELS = {"sglang_dp": "SGLang DP8", "sglang_tp": "SGLang TP8", "hisparse_dp": "HiSparse DP8",
+          "hisparse_tp": "HiSparse TP8", "ulacache_dp": "ulacache DP8",
+          "ulacache_tp_repl": "ulacache TP8 (idx repl)",
+          "ulacache_tp_shard": "ulacache TP8 (idx shard)"}
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """One configuration: geometry and layout, budgets per GPU (bytes), HiSparse/TP knobs."""
+
+    model: str
+    layout: str  # "fp8" (656 B rows) or "bf16" (1152 B rows)
+    platform: str
+    kv_bytes: int  # D: GPU bytes per GPU for KV pools (static budget - weights)
+    host_bytes: int  # host bytes per GPU for KV
+    gpus: int = 8
+    device_buffer: int = 4096  # HiSparse device_buffer_size (default 2 x top_k)
+    draft_tokens: int = 1  # tokens per request per step (1: no speculative decoding)
+    tp_running: int = 64  # max_running_requests sizing the TP buffer in the capacity columns
+    min_gpu_tokens: int = max(LENGTHS)  # capacity columns: the GPU pool must hold one request
+
+    @cached_property
+    def geometry(self) -> ModelGeometry:
+        return MODELS[self.model][1](layout=self.layout)
+
+    @cached_property
+    def row(self) -> int:
+        """Latent bytes per token per layer (656 fp8 / 1152 bf16)."""
+        return self.geometry.row_bytes
+
+    @cached_property
+    def lat(self) -> int:
+        """Latent bytes per token over all layers."""
+        return self.geometry.n_layers * self.row
+
+    @cached_property
+    def idx(self) -> int:
+        """Index-K bytes per token over all layers (132 B each; SGLang allocates every layer's)."""
+        return self.geometry.n_layers * self.geometry.index_key_bytes
+
+    @cached_property
+    def top_k(self) -> int:
+        return self.geometry.index_topk
+
+
+def _pages(n: float) -> int:
+    """Tokens rounded down to whole pages (SGLang's ``calculate_pool_sizes``), never negative."""
+    return max(0, int(n) // PAGE * PAGE)
+
+
+# -- per-rank pools --------------------------------------------------------------------------
+def resident_pool(inp: Inputs) -> int:
+    """SGLang's resident pool per rank (tokens): ``D // (lat + idx)``."""
+    return _pages(inp.kv_bytes // (inp.lat + inp.idx))
+
+
+def hisparse_pool(inp: Inputs, x: int) -> int:
+    """HiSparse device pool G per rank (tokens) at ``host_to_device_ratio`` x: SGLang's cell
+    ``lat + idx * x``, capped so the host mirror ``x G lat`` fits the host budget."""
+    gpu = inp.kv_bytes // (inp.lat + inp.idx * x)
+    host = inp.host_bytes // (x * inp.lat)
+    return _pages(min(gpu, host))
+
+
+def ulacache_dp_pool(inp: Inputs, c: int) -> int:
+    """ulacache GPU pool G per rank (tokens) at ``cpu_ratio`` c: cell ``lat + idx * (1 + c)``
+    (index-K for every logical token), capped so the CPU tier ``c G lat`` fits the host."""
+    gpu = inp.kv_bytes // (inp.lat + inp.idx * (1 + c))
+    host = inp.host_bytes // (c * inp.lat) if c else gpu
+    return _pages(min(gpu, host))
+
+
+def ulacache_tp_pool(inp: Inputs, c: int, buffer_rows: int, shard_index: bool) -> int:
+    """ulacache TP: N, the group's global GPU tokens (each rank owns N / P). Per rank per global
+    GPU token ``ceil(lat / P)`` + index-K (``idx (1 + c)``, or ``/ P`` when sharded); the local
+    buffer ``(B + 65) x lat`` is fixed overhead (the sizing hook's rule)."""
+    P = inp.gpus
+    index = inp.idx * (1 + c)
+    cell = math.ceil(inp.lat / P) + (math.ceil(index / P) if shard_index else index)
+    avail = inp.kv_bytes - (buffer_rows + 65) * inp.lat
+    if avail <= 0:
+        return 0
+    n = avail // cell
+    if c:
+        n = min(n, P * (inp.host_bytes // (c * inp.lat)))  # each rank's CPU rows: c N / P
+    return _pages(n)
+
+
+def tp_buffer_rows(inp: Inputs, requests: int, history: int = 0) -> int:
+    """TP local-buffer rows per layer per rank: one step's selections and new tokens may all be
+    peers' (``R x draft x (top_k + 1)``), raised to a prefill's peer share when larger."""
+    step = requests * inp.draft_tokens * (inp.top_k + 1)
+    return max(step, history - math.ceil(history / inp.gpus))
+
+
+# -- one system: capacity and concurrency ------------------------------------------------------
+@dataclass
+class Point:
+    """One system's figures, system-wide (all 8 GPUs). Slots are latent rows (all layers)."""
+
+    ratio: int | None
+    unique: int  # unique history tokens the system can hold
+    gpu_slots: int  # latent token rows on GPUs (TP buffer rows included: they are copies)
+    cpu_slots: int  # latent token rows in host memory
+    gpu_bytes: int  # GPU KV bytes allocated (latent + index-K + buffers)
+    host_bytes: int
+
+
+def _ratios(first: int, pool, min_pool: int):
+    """Ratios ``first, first + 1, ...`` whose GPU pool holds ``min_pool`` tokens. A pool only
+    shrinks as the ratio grows (more index-K per GPU token, less host per row), so stop at the
+    first that does not."""
+    for r in range(first, MAX_RATIO + 1):
+        if pool(r) < min_pool:
+            return
+        yield r
+
+
+def _pick(first: int, unique, pool, min_pool: int) -> int:
+    """The ratio with the most unique tokens (lowest on ties) among those whose GPU pool holds
+    ``min_pool`` tokens (one longest request's prefill); ``first`` when none does."""
+    return max(_ratios(first, pool, min_pool), key=lambda r: (unique(r), -r), default=first)
+
+
+def _best(points):
+    """The (requests, ratio) with most requests, lowest ratio on ties."""
+    return max(points, key=lambda p: (p[0], -(p[1] or 0)), default=(0, None))
+
+
+def capacity(inp: Inputs, system: str) -> Point:
+    """Unique history capacity of ``system`` (ratio chosen for the most unique tokens)."""
+    P = inp.gpus
+    if system in ("sglang_dp", "sglang_tp"):
+        n = resident_pool(inp)
+        unique = P * n if system == "sglang_dp" else n  # TP: every rank holds the same tokens
+        return Point(None, unique, P * n, 0, P * n * (inp.lat + inp.idx), 0)
+    if system in ("hisparse_dp", "hisparse_tp"):
+        x = _pick(1, lambda r: r * hisparse_pool(inp, r),
+                  lambda r: hisparse_pool(inp, r), inp.min_gpu_tokens)
+        g = hisparse_pool(inp, x)
+        unique = (P if system == "hisparse_dp" else 1) * x * g
+        return Point(x, unique, P * g, P * x * g, P * g * (inp.lat + inp.idx * x),
+                     P * x * g * inp.lat)
+    if system == "ulacache_dp":
+        c = _pick(0, lambda r: (1 + r) * ulacache_dp_pool(inp, r),
+                  lambda r: ulacache_dp_pool(inp, r), inp.min_gpu_tokens)
+        g = ulacache_dp_pool(inp, c)
+        return Point(c, P * (1 + c) * g, P * g, P * c * g,
+                     P * g * (inp.lat + inp.idx * (1 + c)), P * c * g * inp.lat)
+    if system in ("ulacache_tp_repl", "ulacache_tp_shard"):
+        shard = system == "ulacache_tp_shard"
+        b = tp_buffer_rows(inp, inp.tp_running)
+        c = _pick(0, lambda r: (1 + r) * ulacache_tp_pool(inp, r, b, shard),
+                  lambda r: ulacache_tp_pool(inp, r, b, shard), inp.min_gpu_tokens)
+        n = ulacache_tp_pool(inp, c, b, shard)
+        index = inp.idx * (1 + c) * n // (P if shard else 1)  # per rank
+        gpu = P * (math.ceil(inp.lat / P) * n + index + (b + 65) * inp.lat)
+        return Point(c, (1 + c) * n, n + P * b, c * n, gpu, c * n * inp.lat)
+    raise ValueError(f"unknown system {system!r}")
+
+
+def max_requests(inp: Inputs, system: str, history: int) -> tuple[int, int | None]:
+    """Largest number of concurrent requests of ``history`` tokens each, system-wide, and the
+    ratio that admits it. DP: per-rank admission x P (a request lives on one rank)."""
+    P, S = inp.gpus, history
+    if system in ("sglang_dp", "sglang_tp"):
+        n = resident_pool(inp)
+        return (n // S) * (P if system == "sglang_dp" else 1), None
+    if system in ("hisparse_dp", "hisparse_tp"):
+        scale = P if system == "hisparse_dp" else 1
+        pts = []
+        # the prefill lands in the device pool before the host backup: the pool holds S
+        for x in _ratios(1, lambda r: hisparse_pool(inp, r), S):
+            g = hisparse_pool(inp, x)
+            r = min(x * g // S, g // (inp.device_buffer + PAGE))  # buffers from the device pool
+            pts.append((scale * r, x))
+        return _best(pts)
+    if system == "ulacache_dp":
+        pts = []
+        # a prefill's tokens must fit the GPU pool in its round
+        for c in _ratios(0, lambda r: ulacache_dp_pool(inp, r), S):
+            g = ulacache_dp_pool(inp, c)
+            r = min((1 + c) * g // S, g // (inp.draft_tokens * (inp.top_k + 1)))
+            pts.append((P * r, c))
+        return _best(pts)
+    if system in ("ulacache_tp_repl", "ulacache_tp_shard"):
+        shard = system == "ulacache_tp_shard"
+
+        def fits(r: int, c: int) -> bool:
+            n = ulacache_tp_pool(inp, c, tp_buffer_rows(inp, r, S), shard)
+            own = n // P
+            return (r * S <= (1 + c) * n and math.ceil(S / P) <= own
+                    and own * P >= r * inp.draft_tokens * (inp.top_k + 1))
+
+        best, best_c = 0, None
+        for c in _ratios(0, lambda r: ulacache_tp_pool(inp, r, tp_buffer_rows(inp, 0, S), shard),
+                         S):
+            if best_c is None:
+                best_c = c
+            hi = (1 + c) * ulacache_tp_pool(inp, c, tp_buffer_rows(inp, 0, S), shard) // S
+            if hi <= best or not fits(best + 1, c):  # this ratio cannot beat the best so far
+                continue
+            lo = best + 1
+            while lo < hi:  # feasibility only shrinks as R grows (the buffer grows with R)
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if fits(mid, c) else (lo, mid - 1)
+            best, best_c = lo, c
+        return best, best_c
+    raise ValueError(f"unknown system {system!r}")
+
+
+# -- the paper's two figures -------------------------------------------------------------------
+def paper_checks(static_gb: float = 272.0, weights_gb: float = WEIGHTS_GB["glm5"],
+                 host_gb: float = 192.0) -> dict:
+    """UlaCache §2.2.1 / Figure 2, recomputed. The configuration, from the notes: 8xB300, DP,
+    no speculative decoding, GLM-5.3 at GLM-5 geometry (78 layers), FP8 KV (656 B rows), 272 GB
+    per GPU for model + cache, 192 GB of host per GPU.
+
+    (a) TP8 resident: every rank stores every token, so unique / allocated = 1/P.
+    (b) HiSparse: CPU slots = the host budget at latent bytes (192 GB / (78 x 656 B) per GPU);
+    GPU slots = the GPU KV budget (272 GB - 93 GB of FP8 weights) at SGLang's resident cell
+    (latent + index-K, 61,464 B per token); unique = CPU slots (the GPU holds copies). The other
+    reading (index-K for all 30.0M logical tokens charged on the GPU) is computed too: it gives
+    22.0M GPU slots and does not reproduce 23.3M."""
+    P = 8
+    inp = Inputs("glm5", "fp8", "b300", int((static_gb - weights_gb) * GB), int(host_gb * GB))
+    tp = capacity(inp, "sglang_tp")
+    cpu = P * (inp.host_bytes // inp.lat)
+    gpu = P * resident_pool(inp)
+    alt_gpu = P * _pages((inp.kv_bytes - (cpu // P) * inp.idx) // inp.lat)
+    rounded = round(cpu / 1e6, 1) / (round(cpu / 1e6, 1) + round(gpu / 1e6, 1))
+    return {
+        "tp8_unique_fraction": {"computed": tp.unique / tp.gpu_slots, "paper": 0.125},
+        "hisparse_fig2b": {
+            "cpu_slots": cpu, "gpu_slots": gpu, "unique": cpu,
+            "unique_fraction": cpu / (cpu + gpu),
+            "unique_fraction_from_rounded_millions": rounded,
+            "paper": {"cpu_slots_M": 30.0, "gpu_slots_M": 23.3, "total_M": 53.3,
+                      "unique_fraction": 0.5629},
+            "alt_reading_gpu_slots": alt_gpu,
+            "inputs": {"static_gb": static_gb, "weights_gb": weights_gb, "host_gb": host_gb,
+                       "latent_B_per_token": inp.lat, "index_B_per_token": inp.idx},
+        },
+    }
+
+
+# -- driver --------------------------------------------------------------------------------------
+def _kv_list(text: str) -> dict[str, float]:
+    """``"h200=120,b300=272"`` -> ``{"h200": 120.0, "b300": 272.0}``."""
+    out = {}
+    for part in filter(None, text.split(",")):
+        key, _, val = part.partition("=")
+        out[key.strip()] = float(val)
+    return out
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Every (platform, model, layout, system) row, the assumptions and the paper checks."""
+    static = {k: p.static_gb for k, p in PLATFORMS.items()} | _kv_list(args.static_gb)
+    host = {k: p.host_gb for k, p in PLATFORMS.items()} | _kv_list(args.host_gb)
+    weights = dict(WEIGHTS_GB) | _kv_list(args.weights_gb)
+    rows = []
+    for plat in args.platforms.split(","):
+        for model in args.models.split(","):
+            for layout in args.layouts.split(","):
+                kv_gb = static[plat] - weights[model]
+                inp = Inputs(model, layout, plat, int(kv_gb * GB), int(host[plat] * GB),
+                             device_buffer=args.device_buffer, draft_tokens=args.draft_tokens,
+                             tp_running=args.tp_running,
+                             min_gpu_tokens=max(args.lengths))
+                logger.info("%s %s %s: KV budget %.2f GB/GPU, host %.0f GB/GPU", plat, model,
+                            layout, kv_gb, host[plat])
+                for system in SYSTEMS:
+                    cap = capacity(inp, system)
+                    conc = {S: max_requests(inp, system, S) for S in args.lengths}
+                    slots = cap.gpu_slots + cap.cpu_slots
+                    rows.append({
+                        "platform": plat, "model": model, "layout": layout, "system": system,
+                        "ratio": cap.ratio, "unique_tokens": cap.unique,
+                        "gpu_latent_slots": cap.gpu_slots, "cpu_latent_slots": cap.cpu_slots,
+                        "unique_fraction": cap.unique / slots if slots else 0.0,
+                        "gpu_kv_bytes": cap.gpu_bytes, "host_kv_bytes": cap.host_bytes,
+                        "tokens_per_gpu_gb": cap.unique / (inp.gpus * kv_gb),
+                        # resident pools use no host memory: no per-host-byte figure
+                        "tokens_per_host_gb": (cap.unique / (inp.gpus * host[plat])
+                                               if cap.host_bytes else None),
+                        "max_requests": {str(S): r for S, (r, _) in conc.items()},
+                        "ratio_at": {str(S): x for S, (_, x) in conc.items()},
+                    })
+    assumptions = {
+        "accounting": "arithmetic on the stated inputs, not measurement",
+        "gb": "1e9 bytes", "gpus": 8, "page": PAGE, "lengths": list(args.lengths),
+        "static_gb_per_gpu": static, "host_gb_per_gpu": host, "weights_gb_per_gpu": weights,
+        "device_buffer_size": args.device_buffer, "draft_tokens": args.draft_tokens,
+        "tp_running_requests": args.tp_running, "index_key_B": 132,
+        "latent_row_B": {"fp8": 656, "bf16": 1152},
+    }
+    return {"assumptions": assumptions, "paper_checks": paper_checks(), "rows": rows}
+
+
+def print_table(res: dict) -> None:
+    a = res["assumptions"]
+    print("ACCOUNTING (arithmetic on the stated inputs, not measurement). GB = 1e9 B; 8 GPUs; "
+          f"weights FP8 ~1 B/param / 8 GPUs: {a['weights_gb_per_gpu']}")
+    hdr = (f"{'system':<25}{'ratio':>6}{'unique M':>10}{'GPU slots M':>12}{'CPU slots M':>12}"
+           f"{'unique%':>8}{'tok/GB GPU':>11}{'tok/GB host':>12}"
+           + "".join(f"{'req@' + str(S // 1024) + 'K':>9}" for S in a["lengths"]))
+    key = None
+    for r in res["rows"]:
+        if (r["platform"], r["model"], r["layout"]) != key:
+            key = (r["platform"], r["model"], r["layout"])
+            inp = Inputs(r["model"], r["layout"], r["platform"], 0, 0)
+            plat = PLATFORMS[r["platform"]].label
+            static = a["static_gb_per_gpu"][r["platform"]]
+            w = a["weights_gb_per_gpu"][r["model"]]
+            print(f"\n== {plat} | {MODELS[r['model']][0]} | {r['layout']} latent {inp.row} B x "
+                  f"{inp.geometry.n_layers} layers + index-K 132 B | KV budget "
+                  f"{static - w:.1f} GB/GPU ({static:.1f} static - {w:.1f} weights), host "
+                  f"{a['host_gb_per_gpu'][r['platform']]:.0f} GB/GPU")
+            print(hdr)
+        ratio = "-" if r["ratio"] is None else str(r["ratio"])
+        print(f"{LABELS[r['system']]:<25}{ratio:>6}{r['unique_tokens'] / 1e6:>10.2f}"
+              f"{r['gpu_latent_slots'] / 1e6:>12.2f}{r['cpu_latent_slots'] / 1e6:>12.2f}"
+              f"{100 * r['unique_fraction']:>7.1f}%{r['tokens_per_gpu_gb']:>11.0f}"
+              + (f"{r['tokens_per_host_gb']:>12.0f}" if r["tokens_per_host_gb"] else f"{'-':>12}")
+              + "".join(f"{r['max_requests'][str(S)]:>9}" for S in a["lengths"]))
+    pc = res["paper_checks"]
+    tp, hs = pc["tp8_unique_fraction"], pc["hisparse_fig2b"]
+    print("\nPaper checks (UlaCache §2.2.1, Figure 2; 8xB300, GLM-5 geometry, FP8 KV):")
+    print(f"  TP8 resident unique share: computed {100 * tp['computed']:.1f}% vs paper "
+          f"{100 * tp['paper']:.1f}%")
+    print(f"  HiSparse: computed {hs['cpu_slots'] / 1e6:.2f}M unique (CPU) + "
+          f"{hs['gpu_slots'] / 1e6:.2f}M GPU = {(hs['cpu_slots'] + hs['gpu_slots']) / 1e6:.2f}M "
+          f"slots, {100 * hs['unique_fraction']:.2f}% unique "
+          f"({100 * hs['unique_fraction_from_rounded_millions']:.2f}% from 0.1M-rounded counts)"
+          f" vs paper 30.0M in 53.3M = 56.29%")
+    print(f"    reading: host 192 GB/GPU / {hs['inputs']['latent_B_per_token']} B; GPU "
+          f"(272 - {hs['inputs']['weights_gb']:.1f}) GB/GPU / "
+          f"{hs['inputs']['latent_B_per_token'] + hs['inputs']['index_B_per_token']} B. "
+          f"Index-K for all unique tokens on the GPU instead gives "
+          f"{hs['alt_reading_gpu_slots'] / 1e6:.2f}M GPU slots (does not reproduce).")
+
+
+def plot(res: dict, path: Path) -> bool:
+    """Grouped bars: admissible requests per system at each length, FP8 rows, one panel per
+    (platform, model). Returns False (and logs why) when matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib is not installed: no PNG written (pip install matplotlib)")
+        return False
+    rows = [r for r in res["rows"] if r["layout"] == "fp8"] or res["rows"]
+    plats = list(dict.fromkeys(r["platform"] for r in rows))
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    lengths = res["assumptions"]["lengths"]
+    fig, axes = plt.subplots(len(plats), len(models), figsize=(5.5 * len(models),
+                             3.6 * len(plats) + 0.9), squeeze=False)
+    for ax, (plat, model) in zip(axes.flat, [(p, m) for p in plats for m in models]):
+        sel = [r for r in rows if (r["platform"], r["model"]) == (plat, model)]
+        width = 0.8 / len(sel)
+        for i, r in enumerate(sel):
+            xs = [j + (i - (len(sel) - 1) / 2) * width for j in range(len(lengths))]
+            ax.bar(xs, [r["max_requests"][str(S)] for S in lengths], width,
+                   label=LABELS[r["system"]])
+        ax.set_xticks(range(len(lengths)), [f"{S // 1024}K" for S in lengths])
+        ax.set_title(f"{PLATFORMS[plat].label}, {MODELS[model][0]}", fontsize=9)
+        ax.set_yscale("symlog", linthresh=10)
+        ax.set_xlabel("history tokens per request", fontsize=8)
+        ax.set_ylabel("admissible concurrent requests", fontsize=8)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8)
+    fig.suptitle("Admissible concurrency, FP8 KV rows: ACCOUNTING on stated budgets, "
+                 "not measurement", fontsize=10)
+    fig.tight_layout(rect=(0, 0.08, 1, 0.96))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--platforms", default="h200,b300", help="comma-separated: h200, b300")
+    ap.add_argument("--models", default="glm5,dsv32", help="comma-separated: glm5, dsv32")
+    ap.add_argument("--layouts", default="fp8,bf16", help="latent rows: fp8 (656 B), bf16")
+    ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)),
+                    type=lambda s: [int(x) for x in s.split(",")],
+                    help="history tokens per request for the concurrency columns")
+    ap.add_argument("--static-gb", default="", help="override GB/GPU for weights + KV, "
+                    "e.g. h200=125,b300=253 (defaults: h200 0.85 x 141, b300 272)")
+    ap.add_argument("--host-gb", default="", help="override host GB/GPU for KV "
+                    "(defaults: h200=128, b300=192)")
+    ap.add_argument("--weights-gb", default="", help="override weights GB/GPU "
+                    "(defaults: glm5=93.0, dsv32=85.6)")
+    ap.add_argument("--device-buffer", type=int, default=4096,
+                    help="HiSparse device_buffer_size (slots per request per layer)")
+    ap.add_argument("--draft-tokens", type=int, default=1,
+                    help="tokens per request per step (speculative decoding: draft tokens)")
+    ap.add_argument("--tp-running", type=int, default=64,
+                    help="max_running_requests sizing the ulacache TP buffer (capacity columns)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead")
+    ap.add_argument("--png", default=str(ROOT / "docs" / "capacity.png"),
+                    help="PNG path ('' for none)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    res = run(args)
+    if args.json:
+        print(json.dumps(res))
+    else:
+        print_table(res)
+    if args.png and plot(res, Path(args.png)):
+        logger.info("wrote %s", args.png)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
