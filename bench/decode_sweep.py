@@ -1,0 +1,631 @@
+"""Decode-step simulator: a concurrency sweep with Mooncake arrivals and lengths, three KV policies
+drawing from ONE memory budget (ulacache's shared tiered pool, HiSparse's per-request buffers,
+fully resident), with a modelled step time.
+
+SIMULATION + COST MODEL, NOT A GPU MEASUREMENT. What is real and what is modelled:
+
+- **Requests** (real): arrival times, input and output lengths from the Mooncake conversation
+  trace (``/work/shared/data/mooncake_conversation_trace.jsonl``); arrivals are compressed by
+  ``--arrival-speedup`` (default 100x: a saturated queue, so each policy runs as many requests as
+  its concurrency limit and memory allow). Prefill is not timed: an admitted request's prompt is
+  placed, and it decodes from the next step; prefix sharing (``hash_ids``) is ignored.
+- **Selections** (synthetic, calibrated on real traces): a locality generator whose parameters
+  come from the real top-64 SmolLM2 selections (``ulacache/tools/data/gpl3.trace.npz``): the
+  share of picks inside the recent window of ``k`` tokens, the chance that position 0 (the sink)
+  is picked, the step-to-step overlap ``|S_t & S_t-1| / k`` and the normalised-position histogram
+  of fresh picks older than the window. Scaling k=64 over 2K to k=2048 over 32K-128K: the shares
+  are kept as shares of k, the recent window stays ``k`` tokens wide (64 -> 2048), fresh old picks
+  keep their position histogram relative to the history length. One generator stream per
+  request (seeded by the request id), used for every layer (one layer's selections stand for all
+  ``--layers``: bytes and launches are multiplied by the layer count).
+- **Policies** (real code): ulacache is the real ``SelectionGroup`` through
+  :class:`ulacache.tools.residency.Residency` (zero-byte rows, ``validate=False``, PB-LRU):
+  placement, spills, promotions and swaps as in serving. HiSparse is
+  :class:`ulacache.tools.hisparse.HiSparseBuffer` (SGLang's swap-in kernel, exact LRU, one per
+  request). Fully resident: every row on the GPU, no PCIe traffic.
+- **Memory** (one budget, latent rows only, index-K not counted): ``G`` GPU rows and ``Hh`` host
+  rows per layer. Resident: unique tokens <= G. ulacache (exclusive tiers): unique <= G + Hh and
+  R x (k + 1) <= G. HiSparse (inclusive host mirror): unique <= Hh and R x (H + 64) <= G. A
+  request reserves input + output tokens; admission is FCFS, head of line blocks.
+- **Step time** (model) = control plane + PCIe + attention (+ ``--other-ms`` per step):
+  control plane: per-launch cost model, ``--launch-us`` (default 2 us, an assumed CUDA-graph
+  node cost) x launches per layer per step; ulacache's launches are COUNTED: the aten ops of one
+  real ``Residency.step`` (round start, placement of the new tokens, access) at the dispatcher,
+  views excluded (``--ula-launches`` overrides); HiSparse ``--hs-launches`` (2: its swap-in
+  kernel and the previous-token backup); resident 0. A what-if column re-times ulacache with its
+  access fused to ``--ula-fused-launches`` (4, docs/fused-access-plan.md, not built).
+  ``--control measured`` uses this machine's measured CPU time of the policy's access instead,
+  x layers (a CPU figure, not a GPU one); PCIe: max(H2D, D2H) bytes /
+  ``--pcie-gbs`` (full duplex; default 50 GB/s, the H200 copy-engine figure rounded down);
+  attention: a roofline cost model of sparse MLA over the gathered rows (max of FLOPs at
+  ``--attn-tflops`` and row bytes at ``--hbm-tbs``), no torch kernel is run.
+
+    python bench/decode_sweep.py                       # default sweep, temp dir output
+    python bench/decode_sweep.py --out docs --json     # CSV, markdown, PNG into docs/, JSON out
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import sys
+import tempfile
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from ulacache.group import COUNTERS  # noqa: E402
+from ulacache.tools.hisparse import RESERVED_SLOTS, HiSparseBuffer  # noqa: E402
+from ulacache.tools.residency import Residency  # noqa: E402
+from ulacache.tools.traces import Trace, load_trace  # noqa: E402
+
+try:
+    from tqdm import tqdm
+except ImportError:  # pragma: no cover - optional
+    tqdm = None
+
+logger = logging.getLogger("bench.decode_sweep")
+
+MOONCAKE = Path("/work/shared/data/mooncake_conversation_trace.jsonl")
+TRACE = ROOT / "ulacache" / "tools" / "data" / "gpl3.trace.npz"
+POLICIES = ("ulacache", "hisparse", "resident")
+CSV_COLUMNS = ("concurrency", "policy", "admitted_mean", "admitted_max", "steps",
+               "gpu_hit_rate", "h2d_mb_per_step", "d2h_mb_per_step", "pcie_mb_per_step",
+               "control_ms", "pcie_ms", "attn_ms", "step_ms", "tokens_per_s",
+               "cpu_ctl_ms_per_step", "overflow", "finished", "ula_ops_per_group_step",
+               "ula_syncs_per_group_step", "step_ms_fused", "tokens_per_s_fused")
+HIST_BINS = 20
+
+
+# -- locality generator -------------------------------------------------------------------
+@dataclass
+class LocalityModel:
+    """Calibrated selection locality (shares are of k; the window is ``window_ratio x k``)."""
+
+    recent_share: float  # picks with distance < window
+    sink_prob: float  # P(position 0 picked) per step
+    overlap: float  # target mean |S_t & S_t-1| / k
+    keep_prob: float  # generator knob: P(a previous pick is kept), calibrated to ``overlap``
+    old_hist: list[float] = field(default_factory=list)  # fresh old picks: pos / (p - W + 1)
+    window_ratio: float = 1.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def trace_targets(sel: np.ndarray, pos: np.ndarray, k: int, window_ratio: float = 1.0) -> dict:
+    """Locality figures of selections ``sel`` int ``[layers, steps, k]`` (-1 padded) at query
+    positions ``pos``: recent share, sink probability, overlap, fresh-old-pick histogram."""
+    w = max(1, round(window_ratio * k))
+    valid = sel >= 0
+    dist = pos[None, :, None] - sel
+    recent = float((valid & (dist < w)).sum() / valid.sum())
+    sink = float((sel == 0).any(-1).mean())
+    overlaps, fresh = [], []
+    for layer in range(sel.shape[0]):
+        prev = None
+        for s in range(sel.shape[1]):
+            row = sel[layer, s]
+            row = row[row >= 0]
+            p = int(pos[s])
+            if prev is not None:
+                overlaps.append(np.intersect1d(row, prev, assume_unique=True).size / k)
+                old = row[(p - row >= w) & (row > 0)]
+                old = old[~np.isin(old, prev)]
+                if old.size and p - w + 1 > 0:
+                    fresh.append(old / (p - w + 1))
+            prev = row
+    fresh_all = np.concatenate(fresh) if fresh else np.zeros(1)
+    hist, _ = np.histogram(np.clip(fresh_all, 0, 1 - 1e-9), bins=HIST_BINS, range=(0, 1))
+    return {"recent_share": recent, "sink_prob": sink, "overlap": float(np.mean(overlaps)),
+            "old_hist": (hist / max(1, hist.sum())).tolist()}
+
+
+class SelectionGen:
+    """One request's selections: ``step(p)`` -> sorted unique positions in ``[0, p]``, ``k`` of
+    them (all ``p + 1`` while ``p < k``). Previous picks kept with ``keep_prob`` (the sink
+    excluded), the recent window topped up to its share (always the newest token), the sink
+    (position 0) with ``sink_prob``, then fresh old picks in ``[1, p - W]`` from the histogram
+    of normalised positions."""
+
+    def __init__(self, model: LocalityModel, k: int, rng: np.random.Generator):
+        self.m, self.k, self.rng = model, k, rng
+        self.w = max(1, round(model.window_ratio * k))
+        self.n_recent = min(k, max(1, round(model.recent_share * k)))
+        self.cdf = np.cumsum(np.asarray(model.old_hist, dtype=np.float64))
+        if self.cdf.size == 0 or self.cdf[-1] <= 0:
+            self.cdf = np.linspace(1 / HIST_BINS, 1, HIST_BINS)
+        self.cdf /= self.cdf[-1]
+        self.prev = np.empty(0, dtype=np.int64)
+
+    def _fill(self, chosen: np.ndarray, lo: int, hi: int, n: int, hist: bool) -> np.ndarray:
+        """``n`` new positions in ``[lo, hi)`` not in ``chosen`` (uniform, or by the histogram)."""
+        if n <= 0 or hi <= lo:
+            return np.empty(0, dtype=np.int64)
+        span = hi - lo
+        free = span - int(((chosen >= lo) & (chosen < hi)).sum())
+        n = min(n, free)
+        if n <= 0:
+            return np.empty(0, dtype=np.int64)
+        if free <= 2 * n:  # dense: exact draw without replacement
+            cand = np.setdiff1d(np.arange(lo, hi), chosen, assume_unique=False)
+            return self.rng.choice(cand, n, replace=False)
+        out = np.empty(0, dtype=np.int64)
+        for _ in range(8):
+            m = 2 * (n - out.size) + 8
+            if hist:
+                b = np.searchsorted(self.cdf, self.rng.random(m), side="right")
+                u = (np.minimum(b, HIST_BINS - 1) + self.rng.random(m)) / HIST_BINS
+                cand = lo + np.minimum((u * span).astype(np.int64), span - 1)
+            else:
+                cand = self.rng.integers(lo, hi, m)
+            cand = np.unique(cand)
+            cand = cand[~np.isin(cand, chosen) & ~np.isin(cand, out)]
+            self.rng.shuffle(cand)
+            out = np.concatenate([out, cand[: n - out.size]])
+            if out.size >= n:
+                break
+        if out.size < n:  # fall back to uniform fill
+            rest = np.setdiff1d(np.arange(lo, hi), np.concatenate([chosen, out]))
+            out = np.concatenate([out, self.rng.choice(rest, n - out.size, replace=False)])
+        return out
+
+    def step(self, p: int) -> np.ndarray:
+        k = self.k
+        if p + 1 <= k:
+            self.prev = np.arange(p + 1, dtype=np.int64)
+            return self.prev
+        w_lo = max(0, p - self.w + 1)  # recent window [w_lo, p]
+        prev = self.prev[self.prev > 0]  # the sink (position 0) has its own probability
+        kept = prev[self.rng.random(prev.size) < self.m.keep_prob]
+        chosen = np.union1d(kept, [p])
+        n_rec_have = int((chosen >= w_lo).sum())
+        chosen = np.union1d(chosen, self._fill(chosen, w_lo, p + 1,
+                                               self.n_recent - n_rec_have, hist=False))
+        if w_lo > 0 and self.rng.random() < self.m.sink_prob:
+            chosen = np.union1d(chosen, [0])
+        n_old = k - chosen.size
+        if n_old > 0:
+            chosen = np.union1d(chosen, self._fill(chosen, 1, w_lo, n_old, hist=True))
+        if chosen.size < k:  # short old region: top up from the window
+            chosen = np.union1d(chosen, self._fill(chosen, w_lo, p + 1, k - chosen.size, False))
+        if chosen.size > k:  # too many kept: drop random entries (not the newest, not the sink)
+            drop = self.rng.choice(np.flatnonzero((chosen != p) & (chosen != 0)),
+                                   chosen.size - k, replace=False)
+            chosen = np.delete(chosen, drop)
+        self.prev = chosen.astype(np.int64)
+        return self.prev
+
+
+def generate(model: LocalityModel, k: int, positions: np.ndarray, seed: int) -> np.ndarray:
+    """Selections ``[steps, k]`` (-1 padded) of one generator over ``positions``."""
+    gen = SelectionGen(model, k, np.random.default_rng(seed))
+    out = np.full((positions.size, k), -1, dtype=np.int64)
+    for i, p in enumerate(positions):
+        s = gen.step(int(p))
+        out[i, : s.size] = s
+    return out
+
+
+def calibrate(trace: Trace, window_ratio: float = 1.0, layers: int = 8, iters: int = 4,
+              seed: int = 0) -> LocalityModel:
+    """Targets from ``layers`` evenly spaced layers of the real ``trace``; ``keep_prob`` is
+    fitted so that the generator at the trace's own scale hits the overlap target."""
+    idx = np.unique(np.linspace(0, trace.layers - 1, min(layers, trace.layers)).astype(int))
+    sel, pos = trace.selections[idx].astype(np.int64), trace.positions.astype(np.int64)
+    t = trace_targets(sel, pos, trace.k, window_ratio)
+    m = LocalityModel(t["recent_share"], t["sink_prob"], t["overlap"], t["overlap"],
+                      t["old_hist"], window_ratio)
+    for i in range(iters):
+        g = generate(m, trace.k, pos, seed + i)
+        got = trace_targets(g[None], pos, trace.k, window_ratio)["overlap"]
+        m.keep_prob = float(np.clip(m.keep_prob + (m.overlap - got), 0.0, 1.0))
+    return m
+
+
+# -- requests -------------------------------------------------------------------------------
+@dataclass
+class Request:
+    rid: int
+    arrival_s: float
+    input_len: int
+    output_len: int
+
+
+def load_requests(path: Path, n: int, speedup: float, max_input: int | None = None,
+                  max_output: int | None = None) -> list[Request]:
+    """The first ``n`` Mooncake requests; arrivals / ``speedup``; lengths optionally capped."""
+    out = []
+    with open(path) as f:
+        for i, line in enumerate(f):
+            if i >= n:
+                break
+            d = json.loads(line)
+            inp, o = int(d["input_length"]), max(1, int(d["output_length"]))
+            if max_input:
+                inp = min(inp, max_input)
+            if max_output:
+                o = min(o, max_output)
+            out.append(Request(i, d["timestamp"] / 1000.0 / speedup, max(1, inp), o))
+    return out
+
+
+# -- policies -------------------------------------------------------------------------------
+@dataclass
+class Config:
+    k: int = 2048
+    layers: int = 61  # DeepSeek-V3.2
+    row_bytes: int = 656  # FP8 FlashMLA row
+    gpu_rows: int = 300_000  # G: GPU latent rows per layer (the one budget)
+    host_rows: int = 3_000_000  # Hh: host rows per layer
+    h_slots: int = 4096  # HiSparse device_buffer_size (2 x top_k)
+    buckets: int = 64
+    steps: int = 128
+    pcie_gbs: float = 50.0
+    launch_us: float = 2.0  # per kernel node in a CUDA-graph replay (assumed)
+    ula_launches: int = 0  # per group-step; 0: counted from the real core's aten ops
+    ula_fused_launches: int = 4  # what-if: docs/fused-access-plan.md (not built)
+    hs_launches: int = 2  # swap-in kernel + previous-token backup
+    control: str = "launch"  # or "measured"
+    heads: int = 128
+    d_qk: int = 576
+    d_v: int = 512
+    attn_tflops: float = 400.0  # sustained sparse-MLA FLOP rate (H200 bf16 989 peak x ~0.4)
+    hbm_tbs: float = 4.0
+    other_ms: float = 20.0  # fixed per-step time outside attention (weights, MoE; assumed)
+    seed: int = 0
+
+
+def capacity_ok(policy: str, cfg: Config, running: int, reserved: int, req: Request) -> bool:
+    """Can ``req`` join ``running`` requests holding ``reserved`` tokens under ``policy``?"""
+    need = reserved + req.input_len + req.output_len
+    if policy == "resident":
+        return need <= cfg.gpu_rows
+    if policy == "ulacache":
+        return need <= cfg.gpu_rows + cfg.host_rows and (running + 1) * (cfg.k + 1) <= cfg.gpu_rows
+    if policy == "hisparse":
+        return (need <= cfg.host_rows
+                and (running + 1) * (cfg.h_slots + RESERVED_SLOTS) <= cfg.gpu_rows)
+    raise ValueError(policy)
+
+
+_NO_KERNEL = ("view", "squeeze", "expand", "slice", "select", "alias", "detach", "as_strided",
+              "scalar_tensor", "permute", "transpose", "reshape", "aten.t.")
+_SYNCS = ("nonzero", "_local_scalar_dense", "item")
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts aten ops at the dispatcher: ``launches`` (ops other than views and scalar
+    wrappers: each a kernel launch on a GPU) and ``syncs`` (ops that need the host on a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.launches = self.syncs = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if not any(x in name for x in _NO_KERNEL):
+            self.launches += 1
+        if any(x in name for x in _SYNCS):
+            self.syncs += 1
+        return func(*args, **(kwargs or {}))
+
+
+@dataclass
+class _Live:
+    req: Request
+    pos: int  # position of the next token (= current length)
+    left: int
+    gen: SelectionGen
+    addrs: np.ndarray | None = None
+    buf: HiSparseBuffer | None = None
+
+
+def attention_seconds(cfg: Config, n_selected: int) -> float:
+    """Roofline of sparse MLA over ``n_selected`` gathered rows per layer, all layers."""
+    flops = 2.0 * cfg.heads * n_selected * (cfg.d_qk + cfg.d_v) * cfg.layers
+    rbytes = n_selected * cfg.row_bytes * cfg.layers
+    return max(flops / (cfg.attn_tflops * 1e12), rbytes / (cfg.hbm_tbs * 1e12))
+
+
+def run_level(policy: str, concurrency: int, cfg: Config, requests: list[Request],
+              model: LocalityModel) -> dict:
+    """Simulate ``cfg.steps`` decode steps of ``policy`` with at most ``concurrency`` running."""
+    pending = deque(requests)
+    waiting: deque[Request] = deque()
+    running: list[_Live] = []
+    reserved = 0
+    now = 0.0
+    ula = None
+    free_addrs = None
+    if policy == "ulacache":
+        ula = Residency("pblru", cfg.gpu_rows, cfg.gpu_rows + cfg.host_rows, cfg.buckets)
+        free_addrs = list(range(cfg.gpu_rows + cfg.host_rows - 1, -1, -1))
+    tot = dict(acc=0, hit=0, h2d=0, d2h=0, ctl=0.0, pcie=0.0, attn=0.0, step=0.0, tokens=0,
+               cpu=0.0, overflow=0, finished=0, admitted=[], steps=0, ula_ops=None, ula_syncs=0,
+               ctl_fused=0.0, step_fused=0.0)
+    for _ in range(cfg.steps):
+        while pending and pending[0].arrival_s <= now:
+            waiting.append(pending.popleft())
+        if not running and not waiting and pending:  # idle: jump to the next arrival
+            now = pending[0].arrival_s
+            waiting.append(pending.popleft())
+        while (waiting and len(running) < concurrency
+               and capacity_ok(policy, cfg, len(running), reserved, waiting[0])):
+            r = waiting.popleft()
+            reserved += r.input_len + r.output_len
+            live = _Live(r, r.input_len, r.output_len,
+                         SelectionGen(model, cfg.k, np.random.default_rng([cfg.seed, r.rid])))
+            if ula is not None:
+                n = r.input_len + r.output_len
+                live.addrs = np.array(free_addrs[-n:][::-1], dtype=np.int64)
+                del free_addrs[-n:]
+                ula.place(torch.from_numpy(live.addrs[: r.input_len]))
+            elif policy == "hisparse":
+                live.buf = HiSparseBuffer(cfg.h_slots)
+            running.append(live)
+        if not running:
+            break
+        sels = [lv.gen.step(lv.pos) for lv in running]
+        n_sel = sum(s.size for s in sels)
+        acc = hit = h2d_rows = d2h_rows = 0
+        t0 = time.perf_counter()
+        if ula is not None:
+            before = ula.group.counters.clone()
+            batch = torch.full((len(running), cfg.k), -1, dtype=torch.int64)
+            for i, (lv, s) in enumerate(zip(running, sels)):
+                batch[i, : s.size] = torch.from_numpy(lv.addrs[s])
+            new = torch.from_numpy(np.array([lv.addrs[lv.pos] for lv in running]))
+            if tot["ula_ops"] is None:  # count the real core's ops once per level
+                with OpCounter() as oc:
+                    ula.step(new, batch, timed=False)
+                tot["ula_ops"], tot["ula_syncs"] = oc.launches, oc.syncs
+            else:  # (the counted step's CPU time includes the counting overhead)
+                ula.step(new, batch, timed=False)
+            d = dict(zip(COUNTERS, (ula.group.counters - before).tolist()))
+            acc, hit = d["accesses"], d["gpu_hits"]
+            h2d_rows = d["promotions"]
+            d2h_rows = d["writebacks"] + d["spills"]
+            tot["overflow"] += d["access_overflow"] + d["place_overflow"]
+        elif policy == "hisparse":
+            for lv, s in zip(running, sels):
+                h, m = lv.buf.step(s, lv.pos)
+                acc += h + m
+                hit += h
+                h2d_rows += m
+            d2h_rows = len(running)  # the previous newest token's backup, per request
+        else:
+            acc = hit = n_sel
+        cpu = time.perf_counter() - t0
+        if cfg.control == "measured":
+            ctl = cpu * cfg.layers
+        else:
+            launches = {"ulacache": cfg.ula_launches or tot["ula_ops"],
+                        "hisparse": cfg.hs_launches}.get(policy, 0)
+            ctl = cfg.layers * launches * cfg.launch_us * 1e-6
+        ctl_fused = cfg.layers * cfg.ula_fused_launches * cfg.launch_us * 1e-6 if ula else ctl
+        tot["ctl_fused"] += ctl_fused
+        h2d = h2d_rows * cfg.row_bytes * cfg.layers
+        d2h = d2h_rows * cfg.row_bytes * cfg.layers
+        pcie = max(h2d, d2h) / (cfg.pcie_gbs * 1e9)
+        attn = attention_seconds(cfg, n_sel)
+        step = ctl + pcie + attn + cfg.other_ms * 1e-3
+        now += step
+        tot["admitted"].append(len(running))
+        for key, v in (("acc", acc), ("hit", hit), ("h2d", h2d), ("d2h", d2h), ("ctl", ctl),
+                       ("pcie", pcie), ("attn", attn), ("step", step), ("cpu", cpu),
+                       ("tokens", len(running))):
+            tot[key] += v
+        tot["steps"] += 1
+        tot["step_fused"] += step - ctl + ctl_fused
+        still, done = [], []
+        for lv in running:
+            lv.pos += 1
+            lv.left -= 1
+            if lv.left > 0:
+                still.append(lv)
+                continue
+            tot["finished"] += 1
+            reserved -= lv.req.input_len + lv.req.output_len
+            if ula is not None:
+                done.append(lv.addrs)
+        if done:  # finished requests free their rows at the round boundary
+            ula.new_round()
+            ula.group.release(torch.from_numpy(np.concatenate(done)))
+            for a in done:
+                free_addrs.extend(a[::-1].tolist())
+        running = still
+    s = max(1, tot["steps"])
+    return {
+        "concurrency": concurrency, "policy": policy,
+        "admitted_mean": float(np.mean(tot["admitted"])) if tot["admitted"] else 0.0,
+        "admitted_max": int(max(tot["admitted"], default=0)), "steps": tot["steps"],
+        "gpu_hit_rate": tot["hit"] / max(1, tot["acc"]),
+        "h2d_mb_per_step": tot["h2d"] / s / 1e6, "d2h_mb_per_step": tot["d2h"] / s / 1e6,
+        "pcie_mb_per_step": (tot["h2d"] + tot["d2h"]) / s / 1e6,
+        "control_ms": tot["ctl"] / s * 1e3, "pcie_ms": tot["pcie"] / s * 1e3,
+        "attn_ms": tot["attn"] / s * 1e3, "step_ms": tot["step"] / s * 1e3,
+        "tokens_per_s": tot["tokens"] / max(1e-12, tot["step"]),
+        "cpu_ctl_ms_per_step": tot["cpu"] / s * 1e3, "overflow": tot["overflow"],
+        "finished": tot["finished"], "ula_ops_per_group_step": tot["ula_ops"] or 0,
+        "ula_syncs_per_group_step": tot["ula_syncs"],
+        "step_ms_fused": tot["step_fused"] / s * 1e3,
+        "tokens_per_s_fused": tot["tokens"] / max(1e-12, tot["step_fused"]),
+    }
+
+
+def sweep(cfg: Config, levels: list[int], requests: list[Request], model: LocalityModel,
+          policies=POLICIES, progress: bool = True) -> dict:
+    jobs = [(c, p) for c in levels for p in policies]
+    bar = tqdm(jobs, desc="decode sweep", disable=not progress) if tqdm else jobs
+    rows = []
+    for c, p in bar:
+        t0 = time.perf_counter()
+        rows.append(run_level(p, c, cfg, requests, model))
+        logger.info("concurrency %d %s: %.1f s", c, p, time.perf_counter() - t0)
+    peak = {p: max((r["tokens_per_s"] for r in rows if r["policy"] == p), default=0.0)
+            for p in policies}
+    ratios = {}
+    if "ulacache" in peak:
+        for other in ("hisparse", "resident"):
+            if peak.get(other):
+                ratios[f"ulacache/{other}"] = peak["ulacache"] / peak[other]
+    if "ulacache" in peak:  # what-if: ulacache's access fused to ula_fused_launches per group
+        fused = max(r["tokens_per_s_fused"] for r in rows if r["policy"] == "ulacache")
+        for other in ("hisparse", "resident"):
+            if peak.get(other):
+                ratios[f"ulacache_fused/{other}"] = fused / peak[other]
+    return {"config": asdict(cfg), "locality": model.to_dict(), "levels": levels, "rows": rows,
+            "peak_tokens_per_s": peak, "peak_ratios": ratios}
+
+
+# -- output -------------------------------------------------------------------------------
+def markdown(res: dict) -> str:
+    cfg = res["config"]
+    loc = res["locality"]
+    lines = [
+        f"Decode sweep (simulation + cost model): k={cfg['k']}, {cfg['layers']} layers, "
+        f"{cfg['row_bytes']} B rows, budget G={cfg['gpu_rows']:,} GPU + {cfg['host_rows']:,} host "
+        f"rows per layer, {cfg['steps']} steps per level, PCIe {cfg['pcie_gbs']} GB/s, "
+        f"control plane: {cfg['control']}",
+        "",
+        f"Locality (calibrated on the real trace): recent share {loc['recent_share']:.3f} "
+        f"(window {loc['window_ratio']} x k), sink {loc['sink_prob']:.3f}, overlap target "
+        f"{loc['overlap']:.3f} (keep prob {loc['keep_prob']:.3f})",
+        "",
+        "| concurrency | policy | admitted (mean/max) | GPU hit | PCIe MB/step | step ms "
+        "(ctl + pcie + attn) | tokens/s |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in res["rows"]:
+        lines.append(
+            f"| {r['concurrency']} | {r['policy']} | {r['admitted_mean']:.1f} / "
+            f"{r['admitted_max']} | {r['gpu_hit_rate']:.4f} | {r['pcie_mb_per_step']:.1f} | "
+            f"{r['step_ms']:.2f} ({r['control_ms']:.2f} + {r['pcie_ms']:.2f} + "
+            f"{r['attn_ms']:.2f}) | {r['tokens_per_s']:,.0f} |")
+    lines.append("")
+    peak = ", ".join(f"{p} {v:,.0f}" for p, v in res["peak_tokens_per_s"].items())
+    lines.append(f"Peak decode tokens/s: {peak}")
+    rat = ", ".join(f"{k} x{v:.2f}" for k, v in res["peak_ratios"].items()
+                    if not k.startswith("ulacache_fused"))
+    lines.append(f"Peak-throughput ratios: {rat}")
+    ula = [r for r in res["rows"] if r["policy"] == "ulacache"]
+    if ula:
+        fz = ", ".join(f"{k.split('/')[1]} x{v:.2f}" for k, v in res["peak_ratios"].items()
+                       if k.startswith("ulacache_fused"))
+        lines.append(
+            f"ulacache control plane: {ula[0]['ula_ops_per_group_step']} kernel launches per "
+            f"group-step (aten ops of the real core, views excluded; "
+            f"{ula[0]['ula_syncs_per_group_step']} of them nonzero/item ops, which would sync "
+            f"a GPU) x "
+            f"{cfg['layers']} groups x {cfg['launch_us']} us"
+            + (f" (overridden: {cfg['ula_launches']})" if cfg["ula_launches"] else ""))
+        lines.append(f"What-if, access fused to {cfg['ula_fused_launches']} launches per group "
+                     f"(docs/fused-access-plan.md, not built): ulacache/{fz}")
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(res: dict, out: Path, png: bool = True) -> dict[str, str]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"csv": str(out / "decode_sweep.csv"), "md": str(out / "decode_sweep.md")}
+    with open(paths["csv"], "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        w.writeheader()
+        for r in res["rows"]:
+            w.writerow({c: r[c] for c in CSV_COLUMNS})
+    Path(paths["md"]).write_text(markdown(res))
+    if png:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:  # pragma: no cover
+            return paths
+        fig, axes = plt.subplots(1, 4, figsize=(18, 4))
+        metrics = (("tokens_per_s", "decode tokens/s"), ("gpu_hit_rate", "GPU hit rate"),
+                   ("pcie_mb_per_step", "PCIe MB/step"), ("admitted_mean", "admitted (mean)"))
+        for ax, (key, label) in zip(axes, metrics):
+            for p in POLICIES:
+                rows = [r for r in res["rows"] if r["policy"] == p]
+                if rows:
+                    ax.plot([r["concurrency"] for r in rows], [r[key] for r in rows], "o-",
+                            label=p)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrency limit")
+            ax.set_title(label)
+            ax.grid(alpha=0.3)
+        axes[0].legend()
+        fig.suptitle("decode sweep (simulation + cost model, equal memory budget)")
+        fig.tight_layout()
+        paths["png"] = str(out / "decode_sweep.png")
+        fig.savefig(paths["png"], dpi=100)
+        plt.close(fig)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    d = Config()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--levels", default="8,16,32,64", help="concurrency limits")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--requests", type=int, default=2000, help="first N Mooncake requests")
+    ap.add_argument("--mooncake", default=str(MOONCAKE))
+    ap.add_argument("--trace", default=str(TRACE), help="selection trace for calibration")
+    ap.add_argument("--arrival-speedup", type=float, default=100.0)
+    ap.add_argument("--max-input", type=int, default=None, help="cap input lengths")
+    ap.add_argument("--max-output", type=int, default=None, help="cap output lengths")
+    for name in ("k", "layers", "row_bytes", "gpu_rows", "host_rows", "h_slots", "buckets",
+                 "steps", "ula_launches", "ula_fused_launches", "hs_launches", "heads", "d_qk",
+                 "d_v", "seed"):
+        ap.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
+    for name in ("pcie_gbs", "launch_us", "attn_tflops", "hbm_tbs", "other_ms"):
+        ap.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
+    ap.add_argument("--control", choices=("launch", "measured"), default=d.control)
+    ap.add_argument("--out", default=None, help="output dir (default: a new temp dir)")
+    ap.add_argument("--no-png", action="store_true")
+    ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar, warnings only")
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if a.quiet else logging.INFO,
+                        format="%(name)s %(message)s", stream=sys.stderr)
+    levels = [int(x) for x in a.levels.split(",") if x]
+    policies = tuple(p for p in a.policies.split(",") if p)
+    if not levels or min(levels) < 1:
+        ap.error("--levels must be positive integers")
+    if any(p not in POLICIES for p in policies):
+        ap.error(f"--policies must be among {POLICIES}")
+    cfg = Config(**{f: getattr(a, f) for f in Config.__dataclass_fields__})
+    if cfg.h_slots < cfg.k:
+        ap.error("--h-slots must be >= --k")
+    t0 = time.perf_counter()
+    model = calibrate(load_trace(a.trace), seed=cfg.seed)
+    logger.info("calibrated in %.1f s: %s", time.perf_counter() - t0,
+                {k: round(v, 4) for k, v in model.to_dict().items() if isinstance(v, float)})
+    reqs = load_requests(Path(a.mooncake), a.requests, a.arrival_speedup, a.max_input,
+                         a.max_output)
+    res = sweep(cfg, levels, reqs, model, policies, progress=not a.quiet and not a.json)
+    res["wall_s"] = time.perf_counter() - t0
+    out = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="decode_sweep-"))
+    res["files"] = write_outputs(res, out, png=not a.no_png)
+    if a.json:
+        print(json.dumps(res))
+    else:
+        print(markdown(res), end="")
+        print(f"files: {', '.join(res['files'].values())}; {res['wall_s']:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
