@@ -45,7 +45,7 @@ MUTANTS = [  # (file, original, mutant, what it models)
      "recent buckets in reverse order"),
     (L, "rank = torch.cumsum(put, 0) - 1", "rank = torch.cumsum(put, 0)", "push off by one"),
     (G, "owned = ok & (owner >= 0)", "owned = ok & (owner > 0)", "address 0 taken for free"),
-    (G, "first = keep & (self._claim[safe] == pos)", "first = keep", "no dedup in access/place"),
+    (G, "first = keep & (claim[safe] == pos)", "first = keep", "no dedup in access/place"),
     (G, "hit = first & (phys < G)", "hit = first & (phys <= G)", "hit boundary"),
     (P, "row = torch.where(self.epoch_t - epoch_of >= self.n_buckets, 1, recent)",
      "row = torch.where(self.epoch_t - epoch_of > self.n_buckets, 1, recent)", "cold boundary"),
@@ -69,7 +69,7 @@ TP_MUTANTS = [  # TP mode: the striped space and the local buffer, checked by te
     (TPF, "            b.touch(torch.where(first & hit, bslot, -1))\n", "",
      "buffer hits not pinned"),
     (BUF, "        self.slot_of.index_put_((torch.where(evict, old, self.n_logical),),\n"
-          "                                torch.full_like(old, -1))\n", "",
+          "                                torch.full_like(old, -1, dtype=torch.int32))\n", "",
      "an evicted copy stays mapped"),
     (TPF, "                self._count(gi, buffer_drops=b.drop(safe))", "                pass",
      "released addresses keep their copies"),

@@ -10,7 +10,7 @@ in place (no local copy) and peers' rows from the buffer::
 
 This class keeps only the buffer's metadata; the bytes live in that tensor.
 
-- ``slot_of int64 [n_logical + 1]``: buffer slot of each *global* address, ``-1`` if none
+- ``slot_of int32 [n_logical + 1]``: buffer slot of each *global* address, ``-1`` if none
   (the last entry is scratch for masked writes).
 - ``holder int64 [B + 1]``: the address each slot holds, ``-1`` when free (last: scratch).
 - a replacement policy over the ``B`` slots (PB-LRU by default): slots read or filled this
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from .group import _NO_CLAIM, first_occurrence
+from .group import _NO_CLAIM, first_occurrence, new_claim_table
 from .pblru import make_policy
 from .pools import allocate
 
@@ -37,19 +37,20 @@ class LocalBuffer:
     """Metadata of ``n_slots`` buffer rows over global addresses ``[0, n_logical)``."""
 
     def __init__(self, n_logical: int, n_slots: int, device: torch.device,
-                 policy: str = "pblru", n_buckets: int = 64):
+                 policy: str = "pblru", n_buckets: int = 64, claim: torch.Tensor | None = None):
         self.n_logical, self.n_slots, self.device = n_logical, n_slots, device
-        self.slot_of = allocate((n_logical + 1,), torch.int64, device, "the buffer map",
+        # int32: a map over every global address, per group, is the buffer's largest table
+        self.slot_of = allocate((n_logical + 1,), torch.int32, device, "the buffer map",
                                 fill=-1)
         self.holder = torch.full((n_slots + 1,), -1, dtype=torch.int64, device=device)
         self.policy = make_policy(policy, n_slots, n_buckets, device)
-        self._claim = allocate((n_logical + 1,), torch.int64, device, "the buffer claim table",
-                               fill=_NO_CLAIM)
+        # dedup scratch, shareable by every buffer of the rank (clean between calls)
+        self._claim = new_claim_table(n_logical, device) if claim is None else claim
 
     def lookup(self, safe: torch.Tensor) -> torch.Tensor:
         """Buffer slot of each address (``safe``: in range or the scratch index ``n_logical``);
         ``int64``, ``-1`` where not buffered."""
-        return self.slot_of[safe]
+        return self.slot_of[safe].to(torch.int64)
 
     def first(self, safe: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """``keep`` restricted to the first occurrence of each address."""
@@ -77,8 +78,9 @@ class LocalBuffer:
         old = self.holder[torch.where(ok, slot, B)]
         evict = ok & (old >= 0)
         self.slot_of.index_put_((torch.where(evict, old, self.n_logical),),
-                                torch.full_like(old, -1))
-        self.slot_of.index_put_((torch.where(ok, addrs, self.n_logical),), slot)
+                                torch.full_like(old, -1, dtype=torch.int32))
+        self.slot_of.index_put_((torch.where(ok, addrs, self.n_logical),),
+                                slot.to(torch.int32))
         self.holder.index_put_((torch.where(ok, slot, B),), torch.where(ok, addrs, -1))
         self.policy.assign(slot)
         return slot, evict.sum()
@@ -86,12 +88,12 @@ class LocalBuffer:
     def drop(self, safe: torch.Tensor) -> torch.Tensor:
         """Forget the copies of these addresses (released on their owner); ``int64`` number
         of copies dropped (0-dim). Duplicates and unbuffered addresses are harmless."""
-        slot = self.slot_of[safe]
+        slot = self.lookup(safe)
         held = slot >= 0
         first = self.first(safe, held)
         B = self.n_slots
         self.slot_of.index_put_((torch.where(first, safe, self.n_logical),),
-                                torch.full_like(slot, -1))
+                                torch.full_like(slot, -1, dtype=torch.int32))
         self.holder.index_put_((torch.where(first, slot, B),), torch.full_like(slot, -1))
         self.policy.release(torch.where(first, slot, -1))
         return first.sum()
@@ -118,7 +120,7 @@ class LocalBuffer:
         addrs, slots = self.buffered()
         assert bool((addrs < self.n_logical).all()), "buffer holds an out-of-range address"
         assert addrs.unique().numel() == addrs.numel(), "address buffered twice"
-        assert torch.equal(self.slot_of[addrs], slots), "buffer map disagrees with holders"
+        assert torch.equal(self.lookup(addrs), slots), "buffer map disagrees with holders"
         assert int((self.slot_of[: self.n_logical] >= 0).sum()) == addrs.numel(), \
             "buffer map points at slots that hold another address"
         assert torch.equal(self.policy.used_mask(), self.holder[:B] >= 0), \

@@ -64,6 +64,11 @@ def occupancy(c: dict[str, int]) -> tuple[int, int]:
 _NO_CLAIM = torch.iinfo(torch.int64).max
 
 
+def new_claim_table(n_logical: int, device: torch.device) -> torch.Tensor:
+    """The dedup scratch of :func:`first_occurrence` over ``n_logical`` addresses (+ scratch)."""
+    return allocate((n_logical + 1,), torch.int64, device, "the claim table", fill=_NO_CLAIM)
+
+
 def first_occurrence(claim: torch.Tensor, safe: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """``keep`` (``bool [n]``) restricted to the first occurrence of each index of ``safe``
     (``int64 [n]``, in range of ``claim``). ``claim`` is an ``int64`` table all ``_NO_CLAIM``
@@ -92,13 +97,17 @@ class SelectionGroup:
         a view of SGLang's ``kv_buffer`` rows); allocated here when absent.
     counters : optional ``int64 [len(COUNTERS)]`` view to count into (the address space keeps
         every group's counters in one table, read off the device in one copy).
+    claim : optional shared dedup scratch, ``int64 [n_logical + 1]`` from
+        :func:`new_claim_table` (clean between calls, so every group of an address space can
+        use one: 8 B per logical address instead of 8 B per address per group).
     """
 
     def __init__(self, layers: list[int], n_logical: int, gpu_slots: int, cpu_slots: int,
                  row_bytes: int, device: torch.device | str = "cpu",
                  policy: str | ReplacementPolicy = "pblru",
                  n_buckets: int = 64, validate: bool = True,
-                 gpu_storage: torch.Tensor | None = None, counters: torch.Tensor | None = None):
+                 gpu_storage: torch.Tensor | None = None, counters: torch.Tensor | None = None,
+                 claim: torch.Tensor | None = None):
         self.device = resolve_device(device)
         self.layers = list(layers)
         self.layer_index = {layer: i for i, layer in enumerate(self.layers)}
@@ -119,8 +128,12 @@ class SelectionGroup:
         self.cpu_owner = allocate((cpu_slots + 1,), torch.int64, self.device, "the CPU owners",
                                   fill=-1)
         # Dedup of one call's addresses: claim[t] = first position naming t (reset after use).
-        self._claim = allocate(table, torch.int64, self.device, "the claim table",
-                               fill=_NO_CLAIM)
+        # Scratch between calls, so the groups of an address space share one table.
+        if claim is None:
+            claim = new_claim_table(n_logical, self.device)
+        elif claim.shape != table or claim.dtype != torch.int64 or claim.device != self.device:
+            raise ShapeError(f"claim must be int64 {table} on {self.device}")
+        self._claim = claim
         if counters is None:
             counters = torch.zeros(len(COUNTERS), dtype=torch.int64, device=self.device)
         elif counters.shape != (len(COUNTERS),) or counters.dtype != torch.int64 or \

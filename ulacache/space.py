@@ -22,7 +22,7 @@ import torch
 
 from .config import UlaCacheConfig
 from .errors import CapacityExhausted, ShapeError
-from .group import COUNTERS, SelectionGroup
+from .group import COUNTERS, SelectionGroup, new_claim_table
 from .health import CounterMonitor
 from .pools import free_bytes, resolve_device
 from .streams import CoreStream
@@ -63,12 +63,13 @@ class AddressSpace:
         # every group counts into its row of one table: one copy takes them all off the device
         self.counter_table = torch.zeros(len(layer_groups), len(COUNTERS), dtype=torch.int64,
                                          device=self.device)
+        claim = new_claim_table(n_logical, self.device)  # dedup scratch, shared by the groups
         self.groups = [
             SelectionGroup(layers, n_logical, config.gpu_slots, config.cpu_slots,
                            config.row_layout.row_bytes, self.device, config.policy,
                            config.n_buckets, config.validate,
                            None if gpu_storage is None else gpu_storage[i],
-                           counters=self.counter_table[i])
+                           counters=self.counter_table[i], claim=claim)
             for i, layers in enumerate(layer_groups)
         ]
         self.layer_to_group = {layer: gi for gi, g in enumerate(self.groups) for layer in g.layers}
@@ -91,8 +92,8 @@ class AddressSpace:
         parts = {  # (device, what) -> bytes
             (self.device, "the GPU pool"): 0 if engine_pools else layers * (G + 1) * rb,
             (cpu, "the CPU pool"): layers * (C + 1) * rb,
-            (self.device, "the mapping tables"): groups * 8 * (2 * (n + 1) + 3 * (G + 1)
-                                                              + 2 * (C + 1)),
+            (self.device, "the mapping tables"): groups * 8 * ((n + 1) + 3 * (G + 1)
+                                                              + 2 * (C + 1)) + 8 * (n + 1),
             (self.device, "the policy state"): groups * (c.n_buckets + 3) * (G // 63 + 32) * 12,
         }
         for dev in {self.device, cpu}:

@@ -49,6 +49,7 @@ from .address import local_position, owner_rank
 from .buffer import LocalBuffer
 from .config import UlaCacheConfig
 from .errors import AddressError, CapacityExhausted, ShapeError, UlaCacheError
+from .group import new_claim_table
 from .health import CounterMonitor
 from .pools import resolve_device
 from .space import AddressSpace
@@ -168,8 +169,9 @@ class TPAddressSpace:
                                  if self.device.type == "cuda" and kernels_available()
                                  else pools)
             self._peer_layers.append(per_layer)
-        self.buffers = [LocalBuffer(n_logical, B, self.device, config.policy, config.n_buckets)
-                        for _ in groups]
+        claim = new_claim_table(n_logical, self.device)  # dedup scratch, shared by buffers
+        self.buffers = [LocalBuffer(n_logical, B, self.device, config.policy, config.n_buckets,
+                                    claim=claim) for _ in groups]
         self.tp_counters = torch.zeros(len(groups), len(TP_COUNTERS), dtype=torch.int64,
                                        device=self.device)
         self._plans: list[_Plan | None] = [None] * len(groups)

@@ -1,0 +1,16 @@
+"""The mutation check (tests/mutants.py) stays meaningful: every mutant's original line is in
+its file exactly once, so a refactor that moves a line makes this fail instead of leaving a
+mutant that silently tests nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from . import mutants
+
+
+@pytest.mark.parametrize("path,old,new,what", mutants.MUTANTS + mutants.TP_MUTANTS,
+                         ids=[m[3] for m in mutants.MUTANTS + mutants.TP_MUTANTS])
+def test_mutant_original_is_present_once(path, old, new, what):
+    assert old != new
+    assert (mutants.ROOT / path).read_text().count(old) == 1, f"stale mutant: {what}"
