@@ -93,3 +93,35 @@ class WriteLog(TorchDispatchMode):
                     if self.on_write:
                         self.on_write(ptr)
         return out
+
+
+def sglang_alloc_decode(h, idxs: list[int]):
+    """A decode step's allocation as SGLang's scheduler does it, on a contract-test harness
+    ``h`` (``rtp``, ``alloc``, ``lens``): one new logical loc per request, recorded in
+    ``req_to_token``. Returns ``(req rows int64 [bs], seq lens int64 [bs], new locs)``."""
+    ri = torch.tensor(idxs)
+    last = torch.stack([h.rtp.req_to_token[i, h.lens[i] - 1].long() for i in idxs])
+    seq = torch.tensor([h.lens[i] + 1 for i in idxs])
+    out = h.alloc.alloc_decode(seq, seq, last)
+    for i, loc in zip(idxs, out.tolist()):
+        h.rtp.req_to_token[i, h.lens[i]] = loc
+        h.lens[i] += 1
+    return ri, seq, out
+
+
+def sglang_topk(h, idxs: list[int], k: int, pad: int):
+    """The indexer's output for a decode step: per request distinct positions (always the
+    newest), ``-1`` padded, plus ``pad`` CUDA-graph padding rows of garbage; and the padded
+    request rows and lengths the backend passes. Returns ``(topk int32 [bs + pad, k],
+    req rows, seq lens)``."""
+    bs = len(idxs)
+    topk = torch.full((bs + pad, k), -1, dtype=torch.int32)
+    for b, i in enumerate(idxs):
+        n = h.lens[i]
+        pos = torch.randperm(n - 1, generator=h.gen)[: k - 4]
+        topk[b, : pos.numel() + 1] = torch.cat([pos, torch.tensor([n - 1])]).to(torch.int32)
+    topk[bs:] = torch.arange(k, dtype=torch.int32)  # garbage in padded rows
+    ri_pad = torch.cat([torch.tensor(idxs), torch.zeros(pad, dtype=torch.int64)])
+    seq_pad = torch.cat([torch.tensor([h.lens[i] for i in idxs]),
+                         torch.ones(pad, dtype=torch.int64)])
+    return topk, ri_pad, seq_pad

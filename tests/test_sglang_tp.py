@@ -33,6 +33,8 @@ import types
 import pytest
 import torch
 
+from .helpers import sglang_alloc_decode, sglang_topk
+
 sglang = pytest.importorskip("sglang")
 pytestmark = pytest.mark.sglang
 
@@ -175,24 +177,11 @@ class TPHarness:
 
     def decode_step(self, idxs: list[int], pad: int = 1) -> None:
         bs = len(idxs)
-        ri = torch.tensor(idxs)
-        last = torch.stack([self.rtp.req_to_token[i, self.lens[i] - 1].long() for i in idxs])
-        seq = torch.tensor([self.lens[i] + 1 for i in idxs])
-        out = self.alloc.alloc_decode(seq, seq, last)
-        for i, loc in zip(idxs, out.tolist()):
-            self.rtp.req_to_token[i, self.lens[i]] = loc
-            self.lens[i] += 1
+        ri, seq, out = sglang_alloc_decode(self, idxs)
         self.coord.map_last_loc_to_buffer(seq, out, ri, seq, ri)
         self.coord.num_real_reqs.fill_(bs)
         self.write_kv(out)
-        topk = torch.full((bs + pad, K), -1, dtype=torch.int32)
-        for b, i in enumerate(idxs):
-            n = self.lens[i]
-            pos = torch.randperm(n - 1, generator=self.gen)[: K - 4]
-            topk[b, : pos.numel() + 1] = torch.cat([pos, torch.tensor([n - 1])]).to(torch.int32)
-        topk[bs:] = torch.arange(K, dtype=torch.int32)  # garbage in padded rows
-        ri_pad = torch.cat([ri, torch.zeros(pad, dtype=torch.int64)])
-        seq_pad = torch.cat([seq, torch.ones(pad, dtype=torch.int64)])
+        topk, ri_pad, seq_pad = sglang_topk(self, idxs, K, pad)
         for layer in range(L):
             rows = self.coord.swap_in_selected_pages(ri_pad, seq_pad, topk, layer)
             assert rows.shape == (bs + pad, K) and (rows[bs:] == -1).all()

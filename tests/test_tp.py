@@ -178,6 +178,27 @@ class Ranks:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
+def check_every_rank(ranks: Ranks, n: int, layers: int, truth: dict[int, list[bytes]]) -> None:
+    """Every rank's invariants (collective: buffered copies against their owners), every
+    stored address placed, and every stored address reads back its bytes per layer
+    (``truth[address][layer]``) from every rank."""
+    live = torch.zeros(n, dtype=torch.bool)
+    live[list(truth)] = True
+    addrs = torch.tensor(sorted(truth) or [-1])
+
+    def op(s):
+        s.check_integrity(live)
+        s.check_placed(live)
+        return [s.read(layer, addrs) for layer in range(layers)]
+    for res in ranks.run(op):
+        assert not isinstance(res, Exception), f"a rank raised: {res!r}"
+        for layer in range(layers):
+            for i, a in enumerate(addrs.tolist()):
+                if a >= 0:
+                    assert bytes(res[layer][i].tolist()) == truth[a][layer], \
+                        f"address {a} layer {layer} read back wrong"
+
+
 class TPMachine(RuleBasedStateMachine):
     """Every rank's share of one striped address space against a dict of bytes.
 
@@ -297,22 +318,8 @@ class TPMachine(RuleBasedStateMachine):
 
     @invariant()
     def every_rank_consistent(self):
-        if not hasattr(self, "ranks"):
-            return
-        live = torch.zeros(self.N, dtype=torch.bool)
-        live[list(self.truth)] = True
-        addrs = torch.tensor(sorted(self.truth) or [-1])
-
-        def op(s):
-            s.check_integrity(live)
-            s.check_placed(live)
-            return [s.read(layer, addrs) for layer in range(self.LAYERS)]
-        for res in self.ranks.run(op):
-            assert not isinstance(res, Exception), res
-            for layer in range(self.LAYERS):
-                for i, a in enumerate(addrs.tolist()):
-                    if a >= 0:
-                        assert bytes(res[layer][i].tolist()) == self.truth[a][layer]
+        if hasattr(self, "ranks"):
+            check_every_rank(self.ranks, self.N, self.LAYERS, self.truth)
 
 
 TPMachine.TestCase.settings = settings(max_examples=12, stateful_step_count=40, deadline=None)
@@ -590,20 +597,8 @@ class ProductionTPMachine(RuleBasedStateMachine):
 
     @invariant()
     def every_rank_consistent(self):
-        if not hasattr(self, "ranks"):
-            return
-        live = torch.zeros(self.N, dtype=torch.bool)
-        live[list(self.truth)] = True
-        addrs = torch.tensor(sorted(self.truth) or [-1])
-
-        def op(s):
-            s.check_integrity(live)
-            s.check_placed(live)
-            return s.read(0, addrs)
-        for got in self._ok(self.ranks.run(op)):
-            for i, a in enumerate(addrs.tolist()):
-                if a >= 0:
-                    assert bytes(got[i].tolist()) == self.truth[a], f"address {a} read back"
+        if hasattr(self, "ranks"):
+            check_every_rank(self.ranks, self.N, 1, {a: [b] for a, b in self.truth.items()})
 
 
 ProductionTPMachine.TestCase.settings = settings(max_examples=12, stateful_step_count=40,

@@ -64,6 +64,14 @@ def occupancy(c: dict[str, int]) -> tuple[int, int]:
 _NO_CLAIM = torch.iinfo(torch.int64).max
 
 
+def add_counts(row: torch.Tensor, names: tuple[str, ...], values: dict[str, torch.Tensor]
+               ) -> None:
+    """Add 0-dim counts to the named columns of an ``int64 [len(names)]`` counter row: one
+    stack and one add however many, no sync."""
+    zero = torch.zeros((), dtype=torch.int64, device=row.device)
+    row.add_(torch.stack([values.get(n, zero) for n in names]))
+
+
 def new_claim_table(n_logical: int, device: torch.device) -> torch.Tensor:
     """The dedup scratch of :func:`first_occurrence` over ``n_logical`` addresses (+ scratch)."""
     return allocate((n_logical + 1,), torch.int64, device, "the claim table", fill=_NO_CLAIM)
@@ -143,9 +151,7 @@ class SelectionGroup:
 
     # -- helpers --------------------------------------------------------------------------
     def _count(self, **values: torch.Tensor) -> None:
-        """Add 0-dim counts to the named counters: one stack and one add, however many."""
-        zero = torch.zeros((), dtype=torch.int64, device=self.device)
-        self.counters.add_(torch.stack([values.get(n, zero) for n in COUNTERS]))
+        add_counts(self.counters, COUNTERS, values)
 
     def counter_values(self) -> dict[str, int]:
         return dict(zip(COUNTERS, self.counters.tolist()))

@@ -49,7 +49,7 @@ from .address import local_position, owner_rank
 from .buffer import LocalBuffer
 from .config import UlaCacheConfig
 from .errors import AddressError, CapacityExhausted, ShapeError, UlaCacheError
-from .group import new_claim_table
+from .group import COUNTERS, add_counts, new_claim_table
 from .health import CounterMonitor
 from .pools import resolve_device
 from .space import AddressSpace
@@ -220,13 +220,12 @@ class TPAddressSpace:
     def _count_out_of_range(self, groups, flat: torch.Tensor, inrange: torch.Tensor) -> None:
         """Validate off: global addresses out of range are masked here (their local position is
         -1, which the shard's groups skip as padding), so count them as ``invalid`` here."""
-        bad = ((flat != -1) & ~inrange).sum()
+        bad = {"invalid": ((flat != -1) & ~inrange).sum()}
         for g in groups:
-            g._count(invalid=bad)
+            add_counts(g.counters, COUNTERS, bad)
 
     def _count(self, gi: int, **values: torch.Tensor) -> None:
-        zero = torch.zeros((), dtype=torch.int64, device=self.device)
-        self.tp_counters[gi].add_(torch.stack([values.get(n, zero) for n in TP_COUNTERS]))
+        add_counts(self.tp_counters[gi], TP_COUNTERS, values)
 
     def _agree(self, check) -> None:
         """Run a host-side check on every rank and raise the same error type on every rank if
