@@ -5,7 +5,7 @@ fully resident), with a modelled step time.
 SIMULATION + COST MODEL, NOT A GPU MEASUREMENT. What is real and what is modelled:
 
 - **Requests** (real): arrival times, input and output lengths from the Mooncake conversation
-  trace (``/work/shared/data/mooncake_conversation_trace.jsonl``); arrivals are compressed by
+  trace (bundled: its first 2,000 requests, ``bench/data/``); arrivals are compressed by
   ``--arrival-speedup`` (default 100x: a saturated queue, so each policy runs as many requests as
   its concurrency limit and memory allow). Prefill is not timed: an admitted request's prompt is
   placed, and it decodes from the next step; prefix sharing (``hash_ids``) is ignored.
@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gzip
 import json
 import logging
 import sys
@@ -77,7 +78,8 @@ except ImportError:  # pragma: no cover - optional
 
 logger = logging.getLogger("bench.decode_sweep")
 
-MOONCAKE = Path("/work/shared/data/mooncake_conversation_trace.jsonl")
+# bundled: the first 2,000 requests of the Mooncake conversation trace (bench/data/README.md)
+MOONCAKE = Path(__file__).resolve().parent / "data" / "mooncake_conversation_head2000.jsonl.gz"
 TRACE = ROOT / "ulacache" / "tools" / "data" / "gpl3.trace.npz"
 POLICIES = ("ulacache", "hisparse", "resident")
 CSV_COLUMNS = ("concurrency", "policy", "admitted_mean", "admitted_max", "steps",
@@ -247,7 +249,7 @@ def load_requests(path: Path, n: int, speedup: float, max_input: int | None = No
                   max_output: int | None = None) -> list[Request]:
     """The first ``n`` Mooncake requests; arrivals / ``speedup``; lengths optionally capped."""
     out = []
-    with open(path) as f:
+    with (gzip.open(path, "rt") if str(path).endswith(".gz") else open(path)) as f:
         for i, line in enumerate(f):
             if i >= n:
                 break
