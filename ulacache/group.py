@@ -30,8 +30,8 @@ import torch
 
 from ulacache.kernels.dispatch import gather_rows, swap_rows
 
-from .errors import AddressError, CapacityExhausted, ShapeError
-from .pblru import ReplacementPolicy, make_policy
+from .errors import AddressError, CapacityExhausted, ConfigError, ShapeError
+from .pblru import PBLRU, ReplacementPolicy, make_policy
 from .pools import TierPools, allocate, resolve_device
 from .streams import capturing
 
@@ -62,6 +62,33 @@ def occupancy(c: dict[str, int]) -> tuple[int, int]:
     return gpu, c["spills"] - into_free - c["released_cpu"]
 
 _NO_CLAIM = torch.iinfo(torch.int64).max
+
+ACCESS_PATHS = ("auto", "torch", "fused")
+"""How ``access`` and ``place`` run: ``"torch"``, the reference (fixed-shape tensor ops, about
+300 per PB-LRU group-step); ``"fused"``, four Triton launches with identical results
+(:mod:`ulacache.kernels.fused_access`; PB-LRU only; on CPU tensors through Triton's
+interpreter, for tests); ``"auto"``, fused on CUDA when Triton is installed and the policy is
+PB-LRU, else torch."""
+
+
+def fused_kernels(path: str, device: torch.device, policy: ReplacementPolicy):
+    """The fused-kernel module if ``path`` selects the fused path here, else ``None``."""
+    if path not in ACCESS_PATHS:
+        raise ConfigError(f"access_path must be one of {ACCESS_PATHS}, got {path!r}")
+    if path == "torch" or (path == "auto" and device.type != "cuda"):
+        return None
+    from ulacache.kernels import fused_access
+
+    why = None
+    if not fused_access.available():
+        why = "Triton is not installed (pip install 'ulacache[cuda]')"
+    elif not isinstance(policy, PBLRU):
+        why = f"the fused kernels implement PB-LRU, not {type(policy).__name__}"
+    elif device.type != "cuda" and not fused_access.INTERPRETED:
+        why = "CPU tensors need Triton's interpreter (TRITON_INTERPRET=1 before importing it)"
+    if why and path == "fused":
+        raise ConfigError(f"access_path 'fused': {why}")
+    return None if why else fused_access
 
 
 def add_counts(row: torch.Tensor, names: tuple[str, ...], values: dict[str, torch.Tensor]
@@ -108,6 +135,7 @@ class SelectionGroup:
     claim : optional shared dedup scratch, ``int64 [n_logical + 1]`` from
         :func:`new_claim_table` (clean between calls, so every group of an address space can
         use one: 8 B per logical address instead of 8 B per address per group).
+    access_path : one of :data:`ACCESS_PATHS`.
     """
 
     def __init__(self, layers: list[int], n_logical: int, gpu_slots: int, cpu_slots: int,
@@ -115,7 +143,7 @@ class SelectionGroup:
                  policy: str | ReplacementPolicy = "pblru",
                  n_buckets: int = 64, validate: bool = True,
                  gpu_storage: torch.Tensor | None = None, counters: torch.Tensor | None = None,
-                 claim: torch.Tensor | None = None):
+                 claim: torch.Tensor | None = None, access_path: str = "auto"):
         self.device = resolve_device(device)
         self.layers = list(layers)
         self.layer_index = {layer: i for i, layer in enumerate(self.layers)}
@@ -148,6 +176,8 @@ class SelectionGroup:
                 counters.device != self.device:
             raise ShapeError(f"counters must be int64 [{len(COUNTERS)}] on {self.device}")
         self.counters = counters
+        kernels = fused_kernels(access_path, self.device, self.policy)
+        self.fused = None if kernels is None else kernels.FusedAccess(self)
 
     # -- helpers --------------------------------------------------------------------------
     def _count(self, **values: torch.Tensor) -> None:
@@ -161,6 +191,11 @@ class SelectionGroup:
 
     def _index_tensor(self, t: torch.Tensor, name: str, dims: int | None = None) -> torch.Tensor:
         """``t`` as flat ``int64`` after the metadata checks every call makes (no sync)."""
+        self._index_meta(t, name, dims)
+        return t.reshape(-1).to(torch.int64)
+
+    def _index_meta(self, t: torch.Tensor, name: str, dims: int | None = None) -> None:
+        """The metadata checks every call makes (type, dtype, device, rank; no sync)."""
         if not isinstance(t, torch.Tensor):
             raise ShapeError(f"{name} must be a tensor, got {type(t).__name__}")
         if t.dtype not in (torch.int32, torch.int64) or t.device != self.device:
@@ -168,7 +203,6 @@ class SelectionGroup:
                              f"{t.device}")
         if dims is not None and t.dim() != dims:
             raise ShapeError(f"{name} must have {dims} dimension(s), got {tuple(t.shape)}")
-        return t.reshape(-1).to(torch.int64)
 
     def _range(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(in-range mask, addresses with the rest redirected to the scratch entry)."""
@@ -195,6 +229,13 @@ class SelectionGroup:
         already-mapped addresses are skipped (``invalid``); a row with no slot, or whose victim
         finds no CPU slot, is not stored (``place_overflow``).
         """
+        if self.fused is not None:
+            self._index_meta(addrs, "place: addrs")
+            if self._checking():
+                self.check_place(addrs)
+            slot = torch.empty(addrs.numel(), dtype=torch.int64, device=self.device)
+            self.fused.run(addrs.reshape(-1).contiguous(), place=True, victim_out=slot)
+            return slot
         flat, fresh, bad = self._place_plan(addrs)
         if self._checking():
             self._validate_place(flat, fresh, bad)
@@ -326,15 +367,19 @@ class SelectionGroup:
         capturing): resolve -> dedup -> touch hits -> choose victims (PB-LRU order; this round,
         which now holds this step's hits, is excluded) -> swap rows (victim row into the CPU
         slot the promoted row vacates; a single copy when the victim slot was free) ->
-        update mapping -> touch promoted -> translate.
+        update mapping -> touch promoted -> translate. The fused path
+        (:data:`ACCESS_PATHS`) does the same in four launches with identical results.
         """
-        flat = self._index_tensor(addrs, "access: addrs", dims=2)
+        self._index_meta(addrs, "access: addrs", dims=2)
         if out is not None and (not isinstance(out, torch.Tensor) or out.dtype != torch.int32
                                 or out.shape != addrs.shape or out.device != self.device):
             got = f"{out.dtype} {tuple(out.shape)} on {out.device}" \
                 if isinstance(out, torch.Tensor) else type(out).__name__
             raise ShapeError(f"access: out must be int32 {tuple(addrs.shape)} on {self.device}, "
                              f"got {got}")
+        if self.fused is not None:
+            return self._access_fused(addrs, out)
+        flat = addrs.reshape(-1).to(torch.int64)
         G = self.gpu_slots
         inrange, safe = self._range(flat)
         phys = self.loc[safe]
@@ -383,6 +428,17 @@ class SelectionGroup:
             return rows.to(torch.int32)
         out.copy_(rows)
         return out
+
+    def _access_fused(self, addrs: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        if self._checking():
+            self.check_access(addrs)
+        rows = out if out is not None and out.is_contiguous() else \
+            torch.empty(addrs.shape, dtype=torch.int32, device=self.device)
+        self.fused.run(addrs.reshape(-1).contiguous(), place=False, out=rows)
+        if out is not None and rows is not out:
+            out.copy_(rows)
+            return out
+        return rows
 
     def check_access(self, addrs: torch.Tensor) -> None:
         """Raise what :meth:`access` would raise with validate on, changing nothing (host-side:

@@ -30,6 +30,7 @@ __all__ = ["ReplacementPolicy", "PBLRU", "ExactLRU", "POLICIES", "make_policy"]
 
 _WORD_BITS = 63  # bits per int64 word: bit 63 unused, so +/- 2**b scatter-adds never overflow
 _SUPER = 16  # words per superblock (second level of the count hierarchy)
+_HYPER = 64  # superblocks per hyper block (third level: the fused kernels' victim search)
 _FREE = -(2**62)  # stamp of a free slot
 
 
@@ -131,9 +132,13 @@ class PBLRU(ReplacementPolicy):
 
     State (``W = ceil(G / 63)`` words, rounded up to whole superblocks of 16 words):
 
-    - ``bits int64 [n_b + 3, W + 16]``, ``counts int32`` (popcount per word) and
-      ``super_counts int32 [n_b + 3, W / 16 + 1]`` (sums per superblock), kept in step; the
-      last superblock of each row is scratch (masked updates land there).
+    - ``bits int64 [n_b + 3, W + 16]``, ``counts int32`` (popcount per word),
+      ``super_counts int32 [n_b + 3, W / 16 + 1]`` (sums per superblock),
+      ``hyper_counts int32 [n_b + 3, ceil(W / 1024) + 1]`` (sums per 64 superblocks) and
+      ``row_counts int32 [n_b + 3, 2]`` (column 0: members of the row), kept in step; the last
+      entry of each row is scratch (masked updates land there). The two upper levels let one
+      fused kernel find the r-th victim with five scans of at most 67 values
+      (:mod:`ulacache.kernels.fused_access`); the torch path keeps them without reading them.
     - ``round_of int64 [G + 1]`` / ``epoch_of int64 [G + 1]``: round and epoch of each slot's
       last touch (``_FREE`` when free). The paper's slot -> bucket table in a rotation-free
       form: row = free | current (``round_of == round``) | cold (``epoch - epoch_of >= n_b``)
@@ -156,6 +161,7 @@ class PBLRU(ReplacementPolicy):
         self.device = resolve_device(device)
         self.n_super = -(-self.n_slots // (_WORD_BITS * _SUPER))
         self.n_words = self.n_super * _SUPER  # padded to whole superblocks
+        self.n_hyper = -(-self.n_super // _HYPER)
         self.current_row = self.n_buckets + 2
         rows = self.n_buckets + 3
         i64 = dict(dtype=torch.int64, device=self.device)
@@ -164,6 +170,9 @@ class PBLRU(ReplacementPolicy):
                                   device=self.device)
         self.super_counts = torch.zeros(rows, self.n_super + 1, dtype=torch.int32,
                                         device=self.device)
+        self.hyper_counts = torch.zeros(rows, self.n_hyper + 1, dtype=torch.int32,
+                                        device=self.device)
+        self.row_counts = torch.zeros(rows, 2, dtype=torch.int32, device=self.device)
         self.round_of = torch.full((self.n_slots + 1,), _FREE, **i64)
         self.epoch_of = torch.full((self.n_slots + 1,), _FREE, **i64)
         self.round_t = torch.zeros((), **i64)
@@ -185,18 +194,25 @@ class PBLRU(ReplacementPolicy):
         the scratch word / superblock. One scatter per table."""
         word = torch.div(slots, _WORD_BITS, rounding_mode="floor")
         value = torch.bitwise_left_shift(torch.ones_like(word), slots - word * _WORD_BITS)
-        sup = torch.where(mask, torch.div(word, _SUPER, rounding_mode="floor"), self.n_super)
+        sup = torch.div(word, _SUPER, rounding_mode="floor")
+        hyp = torch.where(mask, torch.div(sup, _HYPER, rounding_mode="floor"), self.n_hyper)
+        sup = torch.where(mask, sup, self.n_super)
         word = torch.where(mask, word, self.n_words)
+        col = torch.where(mask, 0, 1)
         ones = torch.ones_like(word, dtype=torch.int32)
-        w1, s1 = self.n_words + _SUPER, self.n_super + 1
-        flat, flat_sup = dst_rows * w1 + word, dst_rows * s1 + sup
+        w1, s1, h1 = self.n_words + _SUPER, self.n_super + 1, self.n_hyper + 1
+        index = [(dst_rows * w1 + word, dst_rows * s1 + sup, dst_rows * h1 + hyp,
+                  dst_rows * 2 + col)]
         if src_rows is not None:
-            flat = torch.cat([src_rows * w1 + word, flat])
-            flat_sup = torch.cat([src_rows * s1 + sup, flat_sup])
+            index.insert(0, (src_rows * w1 + word, src_rows * s1 + sup, src_rows * h1 + hyp,
+                             src_rows * 2 + col))
             value, ones = torch.cat([-value, value]), torch.cat([-ones, ones])
+        flat, flat_sup, flat_hyp, flat_row = index[0] if len(index) == 1 else \
+            (torch.cat(parts) for parts in zip(*index))
         self.bits.view(-1).scatter_add_(0, flat, value)
-        self.counts.view(-1).scatter_add_(0, flat, ones)
-        self.super_counts.view(-1).scatter_add_(0, flat_sup, ones)
+        for table, at in ((self.counts, flat), (self.super_counts, flat_sup),
+                          (self.hyper_counts, flat_hyp), (self.row_counts, flat_row)):
+            table.view(-1).scatter_add_(0, at, ones)
 
     def _row_of(self, round_of: torch.Tensor, epoch_of: torch.Tensor) -> torch.Tensor:
         """Bucket row of slots with these stamps (see the class docstring)."""
@@ -208,7 +224,8 @@ class PBLRU(ReplacementPolicy):
     def _move_row(self, dst: torch.Tensor, src: torch.Tensor, move: torch.Tensor) -> None:
         """If ``move`` (0-dim 0/1): every member of row ``src`` joins row ``dst`` (rows hold
         disjoint sets, so adding is OR). Rows are device scalars: no host sync."""
-        for table in (self.bits, self.counts, self.super_counts):
+        for table in (self.bits, self.counts, self.super_counts, self.hyper_counts,
+                      self.row_counts):
             moved = table.index_select(0, src.view(1)) * move.to(table.dtype)
             table.index_add_(0, dst.view(1), moved)
             table.index_add_(0, src.view(1), -moved)
@@ -305,14 +322,14 @@ class PBLRU(ReplacementPolicy):
 
     def eligible(self) -> torch.Tensor:
         rows = self._victim_rows()
-        return self.super_counts.index_select(0, rows)[:, : self.n_super].sum(dtype=torch.int64)
+        return self.row_counts.index_select(0, rows)[:, 0].sum(dtype=torch.int64)
 
     def pinned(self, slots: torch.Tensor) -> torch.Tensor:
         valid, s = self._slots(slots)
         return valid & (self.round_of[s] == self.round_t)
 
     def used_count(self) -> torch.Tensor:
-        return self.n_slots - self.super_counts[0, : self.n_super].sum(dtype=torch.int64)
+        return self.n_slots - self.row_counts[0, 0].to(torch.int64)
 
     def used_mask(self) -> torch.Tensor:
         return self.round_of[: self.n_slots] != _FREE
@@ -323,7 +340,7 @@ class PBLRU(ReplacementPolicy):
         return self._row_of(self.round_of[slots], self.epoch_of[slots])
 
     def check_integrity(self) -> None:
-        G, W, S = self.n_slots, self.n_words, self.n_super
+        G, W, S, H = self.n_slots, self.n_words, self.n_super, self.n_hyper
         used = self.used_mask()
         assert torch.equal(used, self.epoch_of[:G] != _FREE), "round and epoch stamps disagree"
         assert bool((self.round_of[:G][used] <= self.round_t).all()), "round stamp from the future"
@@ -331,7 +348,7 @@ class PBLRU(ReplacementPolicy):
         assert 0 <= int(self.entered), "negative entry count"
         expected = PBLRU.__new__(PBLRU)
         expected.__dict__.update(self.__dict__)
-        for name in ("bits", "counts", "super_counts"):
+        for name in ("bits", "counts", "super_counts", "hyper_counts", "row_counts"):
             setattr(expected, name, torch.zeros_like(getattr(self, name)))
         slots = torch.arange(G, device=self.device)
         expected._move_bits(slots, None, self.bucket_of(slots), torch.ones_like(used))
@@ -339,6 +356,10 @@ class PBLRU(ReplacementPolicy):
         assert torch.equal(expected.counts[:, :W], self.counts[:, :W]), "word counts != bits"
         assert torch.equal(expected.super_counts[:, :S], self.super_counts[:, :S]), \
             "superblock counts != word counts"
+        assert torch.equal(expected.hyper_counts[:, :H], self.hyper_counts[:, :H]), \
+            "hyper block counts != superblock counts"
+        assert torch.equal(expected.row_counts[:, 0], self.row_counts[:, 0]), \
+            "row totals != hyper block counts"
 
 
 class ExactLRU(ReplacementPolicy):

@@ -1,0 +1,429 @@
+"""One selection group's sparse access (and placement) in four Triton launches.
+
+The torch path (:meth:`ulacache.group.SelectionGroup.access` with ``access_path="torch"``) is
+the reference: the fused path must leave every table, counter, policy word and pool byte exactly
+as it does. Decisions are fixed by that order: misses take victims by their first occurrence,
+from the PB-LRU state after this step's hits were touched; so there are three grid-wide
+synchronisation points and four kernels (docs/fused-access-plan.md):
+
+====  =====================================================================================
+K1    resolve ``phys = loc[addr]``; the entries to keep (access: live; place: unmapped)
+      claim their address: ``atomic_min(claim[addr], position)``; invalid entries counted
+K2    first occurrence (the first resets the claim); access: touch the hits (bit moves to
+      the current bucket, stamps, turnover); per-block counts of misses (place: of fresh
+      addresses); counters
+K3    rank of each miss (prefix of the block counts + in-block cumsum), its victim (the
+      r-th slot in victim order, descending row -> hyper -> superblock -> word -> bit
+      counts), the row moves for every layer of the group, then the mapping, owners and
+      CPU free stack (data before mapping within each program)
+K4    assign the victims (bit moves, stamps, turnover), the CPU stack pointer, and (access)
+      translate every entry to its GPU row (``-1`` kept)
+====  =====================================================================================
+
+Why K3 needs no second rank: victim order puts free slots first, so a miss's victim is free
+exactly when its rank is below the free count, and the free-stack position of a push (access)
+or pop (place) is that rank (offset by the free count for pops). Nobody in K3 reads what K3
+writes: victims are distinct, their owners are not selected this step, and the stack pointer
+moves in K4.
+
+On CPU tensors the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set here
+before Triton is imported when no CUDA device is present), which is how CI checks them against
+the torch path. Launches are counted (:func:`launch_count`) so tests can hold the path to four.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # CPU tensors run only under the interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+"""Whether the kernels run under Triton's interpreter (read when Triton is imported)."""
+
+try:  # noqa: SIM105 - the optional dependency decides whether the fused path exists
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where the [cuda] extra is absent
+    triton = None
+    tl = None
+
+log = logging.getLogger(__name__)
+
+__all__ = ["available", "FusedAccess", "launch_count", "LAUNCHES_PER_CALL"]
+
+LAUNCHES_PER_CALL = 4
+_launches = 0
+
+
+def available() -> bool:
+    """Whether Triton imported (the fused path can run at all)."""
+    return triton is not None
+
+
+def launch_count() -> int:
+    """Fused-kernel launches issued so far in this process (tests diff it around a call)."""
+    return _launches
+
+
+def _launch(kernel, grid, *args, **meta) -> None:
+    global _launches
+    _launches += 1
+    kernel[grid](*args, **meta)
+
+
+COUNTER_COLUMNS = {"accesses": 0, "gpu_hits": 1, "promotions": 2, "writebacks": 3,
+                   "placed": 4, "spills": 5, "access_overflow": 8, "place_overflow": 9,
+                   "invalid": 10}
+"""Columns of ``ulacache.group.COUNTERS`` the kernels add to (a test holds them equal)."""
+
+if triton is not None:
+    _c = {name: tl.constexpr(col) for name, col in COUNTER_COLUMNS.items()}
+    C_ACCESSES, C_HITS, C_PROMOTIONS = _c["accesses"], _c["gpu_hits"], _c["promotions"]
+    C_WRITEBACKS, C_PLACED, C_SPILLS = _c["writebacks"], _c["placed"], _c["spills"]
+    C_ACCESS_OVERFLOW, C_PLACE_OVERFLOW = _c["access_overflow"], _c["place_overflow"]
+    C_INVALID = _c["invalid"]
+    # status bits of each entry (int32 scratch between the launches)
+    KEEP, FIRST, WANT, MOVED = (tl.constexpr(1 << b) for b in range(4))
+    NO_CLAIM = tl.constexpr(2**63 - 1)
+    FREE = tl.constexpr(-(2**62))
+
+    @triton.jit
+    def _row_of(round_of, epoch_of, round_t, epoch_t, NB: tl.constexpr):
+        """PBLRU._row_of: free 0 | current NB + 2 | cold 1 | recent 2 + epoch % NB."""
+        recent = 2 + epoch_of % NB  # epochs of used slots are >= 0; free is overridden below
+        row = tl.where(epoch_t - epoch_of >= NB, 1, recent)
+        row = tl.where(round_of == round_t, NB + 2, row)
+        return tl.where(round_of == FREE, 0, row)
+
+    @triton.jit
+    def _move_slots(bits, counts, supc, hypc, rowc, slot, src, dst, mask, W1, S1, H1):
+        """Move ``slot`` from bucket row ``src`` to ``dst`` where ``mask`` (PBLRU._move_bits):
+        +/- 2**bit on the words (no carries: the old bit is set, the new one clear) and +/- 1
+        on every count level, all atomic (other programs move bits of the same words)."""
+        slot = tl.where(mask, slot, 0)
+        src = src + tl.zeros_like(slot)  # rows may be scalars: one pointer per lane
+        dst = dst + tl.zeros_like(slot)
+        word = slot // 63
+        value = tl.full(slot.shape, 1, tl.int64) << (slot - word * 63)
+        sup = word // 16
+        hyp = sup // 64
+        one = tl.full(slot.shape, 1, tl.int32)
+        tl.atomic_add(bits + src * W1 + word, -value, mask=mask, sem="relaxed")
+        tl.atomic_add(bits + dst * W1 + word, value, mask=mask, sem="relaxed")
+        tl.atomic_add(counts + src * W1 + word, -one, mask=mask, sem="relaxed")
+        tl.atomic_add(counts + dst * W1 + word, one, mask=mask, sem="relaxed")
+        tl.atomic_add(supc + src * S1 + sup, -one, mask=mask, sem="relaxed")
+        tl.atomic_add(supc + dst * S1 + sup, one, mask=mask, sem="relaxed")
+        tl.atomic_add(hypc + src * H1 + hyp, -one, mask=mask, sem="relaxed")
+        tl.atomic_add(hypc + dst * H1 + hyp, one, mask=mask, sem="relaxed")
+        tl.atomic_add(rowc + src * 2, -one, mask=mask, sem="relaxed")
+        tl.atomic_add(rowc + dst * 2, one, mask=mask, sem="relaxed")
+
+    @triton.jit
+    def _touch(bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr, epoch_ptr,
+               entered, slot, mask, W1, S1, H1, NB: tl.constexpr, ASSIGNED: tl.constexpr):
+        """PBLRU.touch / assign of distinct ``slot`` where ``mask``."""
+        slot = tl.where(mask, slot, 0)
+        round_t = tl.load(round_ptr)
+        epoch_t = tl.load(epoch_ptr)
+        old = _row_of(tl.load(round_of + slot, mask=mask, other=0),
+                      tl.load(epoch_of + slot, mask=mask, other=0), round_t, epoch_t, NB)
+        move = mask & (old != NB + 2)
+        _move_slots(bits, counts, supc, hypc, rowc, slot, old, NB + 2, move, W1, S1, H1)
+        if ASSIGNED:
+            turned = move
+        else:
+            turned = move & (old <= 1)
+        tl.atomic_add(entered, tl.sum(turned.to(tl.int64)), sem="relaxed")
+        tl.store(round_of + slot, tl.zeros_like(slot) + round_t, mask=move)
+        tl.store(epoch_of + slot, tl.zeros_like(slot) + epoch_t, mask=move)
+
+    @triton.jit
+    def _k1_claim(addrs, loc, claim, phys_out, status, counters, n, N,
+                  PLACE: tl.constexpr, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        live = i < n
+        a = tl.load(addrs + i, mask=live, other=-1).to(tl.int64)
+        inrange = live & (a >= 0) & (a < N)
+        safe = tl.where(inrange, a, N)
+        phys = tl.load(loc + safe, mask=live, other=-1)
+        if PLACE:
+            keep = inrange & (phys < 0)
+        else:
+            keep = inrange & (phys >= 0)
+            bad = live & (a != -1) & ~keep
+            tl.atomic_add(counters + C_INVALID, tl.sum(bad.to(tl.int64)), sem="relaxed")
+        tl.atomic_min(claim + safe, i.to(tl.int64), mask=keep, sem="relaxed")
+        tl.store(phys_out + i, phys, mask=live)
+        tl.store(status + i, keep.to(tl.int32), mask=live)
+
+    @triton.jit
+    def _k2_first_touch(addrs, claim, phys_in, status, block_want, counters,
+                        bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr,
+                        epoch_ptr, entered, n, N, G, W1, S1, H1,
+                        PLACE: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        i = pid * BLOCK + tl.arange(0, BLOCK)
+        live = i < n
+        st = tl.load(status + i, mask=live, other=0)
+        keep = (st & KEEP) != 0
+        a = tl.load(addrs + i, mask=live, other=-1).to(tl.int64)
+        safe = tl.where(keep, a, N)
+        first = keep & (tl.load(claim + safe, mask=keep, other=-1) == i)
+        # Only the first occurrence resets its claim; a duplicate reading either value is not
+        # first (neither equals its own position).
+        tl.store(claim + safe, tl.full(safe.shape, NO_CLAIM, tl.int64), mask=first)
+        if PLACE:
+            want = first
+            bad = live & (a != -1) & ~first
+            tl.atomic_add(counters + C_INVALID, tl.sum(bad.to(tl.int64)), sem="relaxed")
+        else:
+            phys = tl.load(phys_in + i, mask=live, other=-1)
+            hit = first & (phys < G)
+            want = first & (phys >= G)
+            _touch(bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr, epoch_ptr,
+                   entered, phys, hit, W1, S1, H1, NB, False)
+            tl.atomic_add(counters + C_ACCESSES, tl.sum(first.to(tl.int64)), sem="relaxed")
+            tl.atomic_add(counters + C_HITS, tl.sum(hit.to(tl.int64)), sem="relaxed")
+        st = st | tl.where(first, FIRST, 0) | tl.where(want, WANT, 0)
+        tl.store(status + i, st, mask=live)
+        tl.store(block_want + pid, tl.sum(want.to(tl.int32)))
+
+    @triton.jit
+    def _victim_row(j, epoch_t, NB: tl.constexpr):
+        """Bucket row at position ``j`` of the victim order: free, cold, recent oldest first."""
+        return tl.where(j == 0, 0, tl.where(j == 1, 1, 2 + (epoch_t + j - 1) % NB))
+
+    @triton.jit
+    def _select(vals, r):
+        """Per lane of ``vals [BLOCK, M]`` (counts in order): the index holding rank ``r`` and
+        the rank within it."""
+        ends = tl.cumsum(vals, 1)
+        before = ends <= r[:, None]
+        return tl.sum(before.to(tl.int32), 1), r - tl.sum(tl.where(before, vals, 0), 1)
+
+    @triton.jit
+    def _k3_victims_move(addrs, phys_in, status, block_want, victim_out, counters,
+                         bits, counts, supc, hypc, rowc, epoch_ptr,
+                         loc, gpu_owner, cpu_owner, cpu_free, cpu_top,
+                         gpu_pool, cpu_pool, g_sl, g_sr, c_sl, c_sr,
+                         n, G, C, W1, S1, H1, NS, NH, n_blocks,
+                         PLACE: tl.constexpr, NB: tl.constexpr, RP: tl.constexpr,
+                         L: tl.constexpr, RW: tl.constexpr, HP: tl.constexpr,
+                         BP: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        i = pid * BLOCK + tl.arange(0, BLOCK)
+        live = i < n
+        st = tl.load(status + i, mask=live, other=0)
+        want = (st & WANT) != 0
+        b = tl.arange(0, BP)
+        base = tl.sum(tl.load(block_want + b, mask=b < pid, other=0))
+        rank = base + tl.cumsum(want.to(tl.int32), 0) - 1
+        # -- victim choice: the rank-th slot in victim order (PBLRU.victims) ------------------
+        epoch_t = tl.load(epoch_ptr)
+        j = tl.arange(0, RP)
+        tot = tl.load(rowc + _victim_row(j, epoch_t, NB) * 2, mask=j < NB + 2, other=0)
+        total = tl.sum(tot)
+        n_free = tl.load(rowc)
+        sel = want & (rank < total)
+        jj, r = _select(tl.zeros([BLOCK, RP], tl.int32) + tot[None, :], rank)
+        row = tl.where(sel, _victim_row(jj, epoch_t, NB), 0)
+        h = tl.arange(0, HP)
+        hb, r = _select(tl.load(hypc + row[:, None] * H1 + h[None, :],
+                                mask=sel[:, None] & (h[None, :] < NH), other=0), r)
+        s = hb[:, None] * 64 + tl.arange(0, 64)[None, :]
+        sb, r = _select(tl.load(supc + row[:, None] * S1 + s, mask=sel[:, None] & (s < NS),
+                                other=0), r)
+        w = (hb * 64 + sb)[:, None] * 16 + tl.arange(0, 16)[None, :]
+        wb, r = _select(tl.load(counts + row[:, None] * W1 + w, mask=sel[:, None], other=0), r)
+        word = (hb * 64 + sb) * 16 + wb
+        val = tl.load(bits + row * W1 + word, mask=sel, other=0)
+        ones = (val[:, None] >> tl.arange(0, 64)[None, :].to(tl.int64)) & 1
+        bit, _ = _select(ones, r.to(tl.int64))
+        victim = tl.where(sel, word.to(tl.int64) * 63 + bit, -1)
+        ok = victim >= 0
+        vs = tl.where(ok, victim, G)
+        owner = tl.load(gpu_owner + vs, mask=ok, other=-1)
+        occupied = ok & (owner >= 0)
+        a = tl.load(addrs + i, mask=live, other=-1).to(tl.int64)
+        top = tl.load(cpu_top)
+        if PLACE:
+            # an occupied victim is spilled to a popped CPU slot (pop order = rank order)
+            pos = top - 1 - (rank - n_free)
+            moved = occupied & (pos >= 0)
+            cslot = tl.load(cpu_free + tl.where(moved, pos, 0), mask=moved, other=C)
+            ok = ok & (~occupied | moved)
+            victim = tl.where(ok, victim, -1)
+        else:
+            cslot = tl.where(ok, tl.load(phys_in + i, mask=ok, other=G) - G, C)
+            moved = ok & ~occupied  # the vacated CPU slot goes back to the free stack
+        # -- data first: every layer of the group ---------------------------------------------
+        for layer in range(L):
+            for c0 in range(0, RW, CHUNK):
+                cc = c0 + tl.arange(0, CHUNK)[None, :]
+                cm = cc < RW
+                gp = gpu_pool + layer * g_sl + vs[:, None] * g_sr + cc
+                cp = cpu_pool + layer * c_sl + cslot[:, None] * c_sr + cc
+                if PLACE:
+                    tl.store(cp, tl.load(gp, mask=moved[:, None] & cm), mask=moved[:, None] & cm)
+                else:  # swap, or a single copy into a free victim slot
+                    out_row = tl.load(gp, mask=occupied[:, None] & cm)
+                    in_row = tl.load(cp, mask=ok[:, None] & cm)
+                    tl.store(gp, in_row, mask=ok[:, None] & cm)
+                    tl.store(cp, out_row, mask=occupied[:, None] & cm)
+        # -- then the mapping -----------------------------------------------------------------
+        if PLACE:
+            tl.store(loc + tl.where(moved, owner, 0), G + cslot, mask=moved)
+            tl.store(cpu_owner + cslot, owner, mask=moved)
+            tl.atomic_add(counters + C_PLACED, tl.sum(ok.to(tl.int64)), sem="relaxed")
+            tl.atomic_add(counters + C_SPILLS, tl.sum(moved.to(tl.int64)), sem="relaxed")
+            tl.atomic_add(counters + C_PLACE_OVERFLOW, tl.sum((want & ~ok).to(tl.int64)),
+                          sem="relaxed")
+        else:
+            tl.store(loc + tl.where(occupied, owner, 0), G + cslot, mask=occupied)
+            tl.store(cpu_owner + cslot, tl.where(occupied, owner, -1), mask=ok)
+            tl.store(cpu_free + top + rank, cslot, mask=moved)
+            tl.atomic_add(counters + C_PROMOTIONS, tl.sum(ok.to(tl.int64)), sem="relaxed")
+            tl.atomic_add(counters + C_WRITEBACKS, tl.sum(occupied.to(tl.int64)), sem="relaxed")
+            tl.atomic_add(counters + C_ACCESS_OVERFLOW, tl.sum((want & ~ok).to(tl.int64)),
+                          sem="relaxed")
+        tl.store(loc + tl.where(ok, a, 0), victim, mask=ok)
+        tl.store(gpu_owner + vs, a, mask=ok)
+        tl.store(victim_out + i, victim, mask=live)
+        tl.store(status + i, st | tl.where(moved, MOVED, 0), mask=live)
+
+    @triton.jit
+    def _k4_assign_translate(addrs, status, victim_in, out, loc, cpu_top,
+                             bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr,
+                             epoch_ptr, entered, n, N, G, W1, S1, H1, row_base,
+                             PLACE: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        live = i < n
+        victim = tl.load(victim_in + i, mask=live, other=-1)
+        _touch(bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr, epoch_ptr,
+               entered, victim, victim >= 0, W1, S1, H1, NB, True)
+        st = tl.load(status + i, mask=live, other=0)
+        moved = tl.sum(((st & MOVED) != 0).to(tl.int64))
+        if PLACE:
+            tl.atomic_add(cpu_top, -moved, sem="relaxed")
+        else:
+            tl.atomic_add(cpu_top, moved, sem="relaxed")
+            keep = (st & KEEP) != 0
+            a = tl.load(addrs + i, mask=keep, other=N).to(tl.int64)
+            rows = tl.load(loc + tl.where(keep, a, N), mask=keep, other=-1)
+            rows = tl.where(keep & (rows >= 0) & (rows < G), rows + row_base, -1)
+            tl.store(out + i, rows.to(tl.int32), mask=live)
+
+    @triton.jit
+    def _translate(addrs, loc, out, n, N, G, row_base, BLOCK: tl.constexpr):
+        """``out = loc[addr] + row_base`` where GPU-resident, else -1 (no side effect)."""
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        live = i < n
+        a = tl.load(addrs + i, mask=live, other=-1).to(tl.int64)
+        ok = live & (a >= 0) & (a < N)
+        rows = tl.load(loc + tl.where(ok, a, N), mask=ok, other=-1)
+        rows = tl.where(ok & (rows >= 0) & (rows < G), rows + row_base, -1)
+        tl.store(out + i, rows.to(tl.int32), mask=live)
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def _word_view(pool: torch.Tensor) -> torch.Tensor:
+    """``pool`` (``uint8 [L, R, row_bytes]``) as the widest integer words its row size,
+    strides and address allow (fewer, wider loads in the copy loops); a view, no copy."""
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        size = dtype.itemsize
+        if pool.shape[2] % size == 0 and pool.stride(0) % size == 0 and \
+                pool.stride(1) % size == 0 and pool.data_ptr() % size == 0 and \
+                pool.stride(2) == 1:
+            return pool.view(dtype)
+    return pool
+
+
+class FusedAccess:
+    """The fused kernels bound to one :class:`ulacache.group.SelectionGroup` (PB-LRU policy).
+
+    Calls take the group's already-checked inputs; every call is four launches and no other
+    device op (scratch is cached per entry count, so a captured graph reuses it).
+    """
+
+    BLOCK = 128
+    CHUNK = 64  # words of a row copied per inner step
+
+    def __init__(self, group) -> None:
+        if triton is None:
+            raise RuntimeError("the fused access path needs Triton (pip install triton)")
+        self.g = group
+        p = group.policy
+        self.nb = p.n_buckets
+        self.w1, self.s1, self.h1 = p.n_words + 16, p.n_super + 1, p.n_hyper + 1
+        self.rp = _pow2(p.n_buckets + 2)
+        self.hp = _pow2(p.n_hyper)
+        self._scratch: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.gpu_words = _word_view(group.pools.gpu)
+        self.cpu_words = _word_view(group.pools.cpu)
+        if self.gpu_words.dtype != self.cpu_words.dtype:  # one element type per copy loop
+            self.gpu_words, self.cpu_words = group.pools.gpu, group.pools.cpu
+
+    def scratch(self, n: int) -> tuple[torch.Tensor, ...]:
+        """(phys int64 [n], status int32 [n], victim int64 [n], per-block wants int32)."""
+        if n not in self._scratch:
+            dev = self.g.device
+            blocks = max(1, -(-n // self.BLOCK))
+            self._scratch[n] = (torch.empty(n, dtype=torch.int64, device=dev),
+                                torch.empty(n, dtype=torch.int32, device=dev),
+                                torch.empty(n, dtype=torch.int64, device=dev),
+                                torch.empty(blocks, dtype=torch.int32, device=dev))
+        return self._scratch[n]
+
+    def _policy_args(self):
+        p = self.g.policy
+        return (p.bits, p.counts, p.super_counts, p.hyper_counts, p.row_counts)
+
+    def run(self, addrs: torch.Tensor, place: bool, out: torch.Tensor | None = None,
+            victim_out: torch.Tensor | None = None, row_base: int = 0) -> None:
+        """K1..K4 over the flat contiguous ``addrs`` (``int32|int64``). Access writes the GPU
+        rows to ``out`` (``int32``, ``addrs.numel()`` elements); place writes the slots to
+        ``victim_out`` (``int64``)."""
+        g, p = self.g, self.g.policy
+        n = addrs.numel()
+        if n == 0:
+            return
+        phys, status, victim, block_want = self.scratch(n)
+        if victim_out is not None:
+            victim = victim_out
+        grid = (block_want.numel(),)
+        N, G, C = g.n_logical, g.gpu_slots, g.cpu_slots
+        pol = self._policy_args()
+        stamps = (p.round_of, p.epoch_of, p.round_t, p.epoch_t, p.entered)
+        mode = dict(PLACE=place, BLOCK=self.BLOCK)
+        _launch(_k1_claim, grid, addrs, g.loc, g._claim, phys, status, g.counters, n, N, **mode)
+        _launch(_k2_first_touch, grid, addrs, g._claim, phys, status, block_want, g.counters,
+                *pol, *stamps, n, N, G, self.w1, self.s1, self.h1, NB=self.nb, **mode)
+        gw, cw = self.gpu_words, self.cpu_words
+        _launch(_k3_victims_move, grid, addrs, phys, status, block_want, victim, g.counters,
+                *pol, p.epoch_t, g.loc, g.gpu_owner, g.cpu_owner, g.pools.cpu_free,
+                g.pools.cpu_top, gw, cw, gw.stride(0), gw.stride(1),
+                cw.stride(0), cw.stride(1), n, G, C, self.w1, self.s1, self.h1, p.n_super,
+                p.n_hyper, grid[0], NB=self.nb, RP=self.rp, L=gw.shape[0], RW=gw.shape[2],
+                HP=self.hp, BP=_pow2(grid[0]), CHUNK=self.CHUNK, **mode)
+        _launch(_k4_assign_translate, grid, addrs, status, victim,
+                out if out is not None else status, g.loc, g.pools.cpu_top, *pol, *stamps,
+                n, N, G, self.w1, self.s1, self.h1, row_base, NB=self.nb, **mode)
+
+
+def translate(loc: torch.Tensor, addrs: torch.Tensor, out: torch.Tensor, n_logical: int,
+              gpu_slots: int, row_base: int = 0) -> torch.Tensor:
+    """One launch: ``out = loc[addrs] + row_base`` where the row is GPU-resident, else ``-1``
+    (``addrs`` flat contiguous ``int32|int64``, ``out`` ``int32`` of as many elements)."""
+    n = addrs.numel()
+    if n:
+        _launch(_translate, (-(-n // FusedAccess.BLOCK),), addrs, loc, out, n, n_logical,
+                gpu_slots, row_base, BLOCK=FusedAccess.BLOCK)
+    return out
