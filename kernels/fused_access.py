@@ -35,28 +35,34 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 import torch
 
-if not torch.cuda.is_available():  # CPU tensors run only under the interpreter
+# CPU tensors run only under Triton's interpreter, which must be chosen before Triton is first
+# imported (its own library functions are decorated then); tests set it in conftest.py.
+if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-"""Whether the kernels run under Triton's interpreter (read when Triton is imported)."""
-
-try:  # noqa: SIM105 - the optional dependency decides whether the fused path exists
+try:  # the optional dependency decides whether the fused path exists
     import triton
     import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
 except ImportError:  # pragma: no cover - exercised where the [cuda] extra is absent
     triton = None
     tl = None
 
+INTERPRETED = triton is not None and isinstance(tl.standard.sum, InterpretedFunction)
+"""Whether the kernels run under Triton's interpreter (fixed when Triton was imported)."""
+
 log = logging.getLogger(__name__)
 
-__all__ = ["available", "FusedAccess", "launch_count", "LAUNCHES_PER_CALL"]
+__all__ = ["available", "FusedAccess", "launch_count", "in_launch", "translate",
+           "LAUNCHES_PER_CALL"]
 
 LAUNCHES_PER_CALL = 4
 _launches = 0
+_launching = False
 
 
 def available() -> bool:
@@ -69,10 +75,20 @@ def launch_count() -> int:
     return _launches
 
 
+def in_launch() -> bool:
+    """True while a fused kernel is being launched (the interpreter's own tensor work then
+    belongs to the launch: tests count device ops outside launches)."""
+    return _launching
+
+
 def _launch(kernel, grid, *args, **meta) -> None:
-    global _launches
+    global _launches, _launching
     _launches += 1
-    kernel[grid](*args, **meta)
+    _launching = True
+    try:
+        kernel[grid](*args, **meta)
+    finally:
+        _launching = False
 
 
 COUNTER_COLUMNS = {"accesses": 0, "gpu_hits": 1, "promotions": 2, "writebacks": 3,
@@ -100,7 +116,8 @@ if triton is not None:
         return tl.where(round_of == FREE, 0, row)
 
     @triton.jit
-    def _move_slots(bits, counts, supc, hypc, rowc, slot, src, dst, mask, W1, S1, H1):
+    def _move_slots(bits, counts, supc, hypc, rowc, slot, src, dst, mask, W1, S1, H1,
+                    HY: tl.constexpr):
         """Move ``slot`` from bucket row ``src`` to ``dst`` where ``mask`` (PBLRU._move_bits):
         +/- 2**bit on the words (no carries: the old bit is set, the new one clear) and +/- 1
         on every count level, all atomic (other programs move bits of the same words)."""
@@ -110,7 +127,7 @@ if triton is not None:
         word = slot // 63
         value = tl.full(slot.shape, 1, tl.int64) << (slot - word * 63)
         sup = word // 16
-        hyp = sup // 64
+        hyp = sup // HY
         one = tl.full(slot.shape, 1, tl.int32)
         tl.atomic_add(bits + src * W1 + word, -value, mask=mask, sem="relaxed")
         tl.atomic_add(bits + dst * W1 + word, value, mask=mask, sem="relaxed")
@@ -125,7 +142,8 @@ if triton is not None:
 
     @triton.jit
     def _touch(bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr, epoch_ptr,
-               entered, slot, mask, W1, S1, H1, NB: tl.constexpr, ASSIGNED: tl.constexpr):
+               entered, slot, mask, W1, S1, H1, NB: tl.constexpr, HY: tl.constexpr,
+               ASSIGNED: tl.constexpr):
         """PBLRU.touch / assign of distinct ``slot`` where ``mask``."""
         slot = tl.where(mask, slot, 0)
         round_t = tl.load(round_ptr)
@@ -133,7 +151,7 @@ if triton is not None:
         old = _row_of(tl.load(round_of + slot, mask=mask, other=0),
                       tl.load(epoch_of + slot, mask=mask, other=0), round_t, epoch_t, NB)
         move = mask & (old != NB + 2)
-        _move_slots(bits, counts, supc, hypc, rowc, slot, old, NB + 2, move, W1, S1, H1)
+        _move_slots(bits, counts, supc, hypc, rowc, slot, old, NB + 2, move, W1, S1, H1, HY)
         if ASSIGNED:
             turned = move
         else:
@@ -165,7 +183,8 @@ if triton is not None:
     def _k2_first_touch(addrs, claim, phys_in, status, block_want, counters,
                         bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr,
                         epoch_ptr, entered, n, N, G, W1, S1, H1,
-                        PLACE: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr):
+                        PLACE: tl.constexpr, NB: tl.constexpr, HY: tl.constexpr,
+                        BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         i = pid * BLOCK + tl.arange(0, BLOCK)
         live = i < n
@@ -186,7 +205,7 @@ if triton is not None:
             hit = first & (phys < G)
             want = first & (phys >= G)
             _touch(bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr, epoch_ptr,
-                   entered, phys, hit, W1, S1, H1, NB, False)
+                   entered, phys, hit, W1, S1, H1, NB, HY, False)
             tl.atomic_add(counters + C_ACCESSES, tl.sum(first.to(tl.int64)), sem="relaxed")
             tl.atomic_add(counters + C_HITS, tl.sum(hit.to(tl.int64)), sem="relaxed")
         st = st | tl.where(first, FIRST, 0) | tl.where(want, WANT, 0)
@@ -214,6 +233,7 @@ if triton is not None:
                          n, G, C, W1, S1, H1, NS, NH, n_blocks,
                          PLACE: tl.constexpr, NB: tl.constexpr, RP: tl.constexpr,
                          L: tl.constexpr, RW: tl.constexpr, HP: tl.constexpr,
+                         HY: tl.constexpr, HYP2: tl.constexpr,
                          BP: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         i = pid * BLOCK + tl.arange(0, BLOCK)
@@ -235,12 +255,14 @@ if triton is not None:
         h = tl.arange(0, HP)
         hb, r = _select(tl.load(hypc + row[:, None] * H1 + h[None, :],
                                 mask=sel[:, None] & (h[None, :] < NH), other=0), r)
-        s = hb[:, None] * 64 + tl.arange(0, 64)[None, :]
-        sb, r = _select(tl.load(supc + row[:, None] * S1 + s, mask=sel[:, None] & (s < NS),
-                                other=0), r)
-        w = (hb * 64 + sb)[:, None] * 16 + tl.arange(0, 16)[None, :]
+        k = tl.arange(0, HYP2)[None, :]
+        s = hb[:, None] * HY + k
+        sb, r = _select(tl.load(supc + row[:, None] * S1 + s,
+                                mask=sel[:, None] & (k < HY) & (s < NS), other=0), r)
+        sb = hb * HY + sb
+        w = sb[:, None] * 16 + tl.arange(0, 16)[None, :]
         wb, r = _select(tl.load(counts + row[:, None] * W1 + w, mask=sel[:, None], other=0), r)
-        word = (hb * 64 + sb) * 16 + wb
+        word = sb * 16 + wb
         val = tl.load(bits + row * W1 + word, mask=sel, other=0)
         ones = (val[:, None] >> tl.arange(0, 64)[None, :].to(tl.int64)) & 1
         bit, _ = _select(ones, r.to(tl.int64))
@@ -300,12 +322,13 @@ if triton is not None:
     def _k4_assign_translate(addrs, status, victim_in, out, loc, cpu_top,
                              bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr,
                              epoch_ptr, entered, n, N, G, W1, S1, H1, row_base,
-                             PLACE: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr):
+                             PLACE: tl.constexpr, NB: tl.constexpr, HY: tl.constexpr,
+                             BLOCK: tl.constexpr):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         live = i < n
         victim = tl.load(victim_in + i, mask=live, other=-1)
         _touch(bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr, epoch_ptr,
-               entered, victim, victim >= 0, W1, S1, H1, NB, True)
+               entered, victim, victim >= 0, W1, S1, H1, NB, HY, True)
         st = tl.load(status + i, mask=live, other=0)
         moved = tl.sum(((st & MOVED) != 0).to(tl.int64))
         if PLACE:
@@ -405,17 +428,25 @@ class FusedAccess:
         mode = dict(PLACE=place, BLOCK=self.BLOCK)
         _launch(_k1_claim, grid, addrs, g.loc, g._claim, phys, status, g.counters, n, N, **mode)
         _launch(_k2_first_touch, grid, addrs, g._claim, phys, status, block_want, g.counters,
-                *pol, *stamps, n, N, G, self.w1, self.s1, self.h1, NB=self.nb, **mode)
+                *pol, *stamps, n, N, G, self.w1, self.s1, self.h1, NB=self.nb, HY=p.hyper,
+                **mode)
         gw, cw = self.gpu_words, self.cpu_words
         _launch(_k3_victims_move, grid, addrs, phys, status, block_want, victim, g.counters,
                 *pol, p.epoch_t, g.loc, g.gpu_owner, g.cpu_owner, g.pools.cpu_free,
                 g.pools.cpu_top, gw, cw, gw.stride(0), gw.stride(1),
                 cw.stride(0), cw.stride(1), n, G, C, self.w1, self.s1, self.h1, p.n_super,
                 p.n_hyper, grid[0], NB=self.nb, RP=self.rp, L=gw.shape[0], RW=gw.shape[2],
-                HP=self.hp, BP=_pow2(grid[0]), CHUNK=self.CHUNK, **mode)
+                HP=self.hp, HY=p.hyper, HYP2=_pow2(p.hyper), BP=_pow2(grid[0]),
+                CHUNK=self.CHUNK, **mode)
         _launch(_k4_assign_translate, grid, addrs, status, victim,
                 out if out is not None else status, g.loc, g.pools.cpu_top, *pol, *stamps,
-                n, N, G, self.w1, self.s1, self.h1, row_base, NB=self.nb, **mode)
+                n, N, G, self.w1, self.s1, self.h1, row_base, NB=self.nb, HY=p.hyper, **mode)
+
+
+    def translate(self, addrs: torch.Tensor, out: torch.Tensor, row_base: int = 0
+                  ) -> torch.Tensor:
+        """The group's GPU rows of ``addrs`` (one launch, no side effect; see :func:`translate`)."""
+        return translate(self.g.loc, addrs, out, self.g.n_logical, self.g.gpu_slots, row_base)
 
 
 def translate(loc: torch.Tensor, addrs: torch.Tensor, out: torch.Tensor, n_logical: int,

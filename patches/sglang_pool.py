@@ -123,7 +123,8 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
                              else None, n_layers=layer_num, gpu_slots=size,
                              cpu_slots=(ratio - 1) * size, page_size=page_size,
                              max_requests=max(1, max_running_requests or 1),
-                             n_buckets=opts.n_buckets, policy=opts.policy, validate=opts.validate)
+                             n_buckets=opts.n_buckets, policy=opts.policy, validate=opts.validate,
+                             access_path=opts.access_path)
         P, rb = page_size, row.row_bytes
         storage = [big.view(torch.uint8).view(big.shape[0], big.shape[1], rb)[:, P: P + size + 1]
                    for big in self._group_buffers]

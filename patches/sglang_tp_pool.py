@@ -108,6 +108,7 @@ class UlaCacheTPDSATokenToKVPool(UlaCacheDSATokenToKVPool):
                              cpu_slots=(ratio - 1) * G, page_size=page_size,
                              max_requests=max(1, max_running_requests or 1),
                              n_buckets=opts.n_buckets, policy=opts.policy, validate=opts.validate,
+                             access_path=opts.access_path,
                              tp_size=P, buffer_slots=B, shard_indexer=opts.shard_indexer)
         layer_ids = [[x - self.start_layer for x in g] for g in self.ula_groups]
         self.core = TPAddressSpace(cfg, self.ula_peers, n_logical=size * ratio + page_size,

@@ -7,16 +7,21 @@ from __future__ import annotations
 import torch
 
 from ulacache.group import SelectionGroup
+from ulacache.pblru import PBLRU
 
 
 def make_twins(n_layers: int = 2, n_logical: int = 400, gpu_slots: int = 64,
                cpu_slots: int = 400, row_bytes: int = 16, n_buckets: int = 4,
-               validate: bool = False, device: str = "cpu", **kw
+               validate: bool = False, device: str = "cpu", hyper: int = 64, **kw
                ) -> tuple[SelectionGroup, SelectionGroup]:
-    """(reference, fused) groups with identical geometry and identical (zeroed) pools."""
+    """(reference, fused) groups with identical geometry and identical (zeroed) pools.
+    ``hyper``: superblocks per PB-LRU hyper block (small values make small pools exercise
+    every level of the fused victim search)."""
     twins = tuple(SelectionGroup(list(range(n_layers)), n_logical, gpu_slots, cpu_slots,
-                                 row_bytes, device, "pblru", n_buckets, validate,
-                                 access_path=path, **kw) for path in ("torch", "fused"))
+                                 row_bytes, device, PBLRU(gpu_slots, n_buckets, device,
+                                                          hyper=hyper),
+                                 n_buckets, validate, access_path=path, **kw)
+                  for path in ("torch", "fused"))
     assert twins[0].fused is None and twins[1].fused is not None
     return twins
 

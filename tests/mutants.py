@@ -2,6 +2,7 @@
 
     python tests/mutants.py            # ~15 min on 2 cores; prints one line per mutant
     python tests/mutants.py tp         # only the TP-mode mutants (tests/test_tp.py)
+    python tests/mutants.py fused      # only the fused-kernel mutants (test_fused_access.py)
 
 Copies the repository to a temporary directory, applies each mutant below (one line of the core
 changed the way a tired engineer might), runs the core tests there twice with the derandomized
@@ -88,6 +89,40 @@ TP_MUTANTS = [  # TP mode: the striped space and the local buffer, checked by te
      "slot = torch.where(want, cand[rank.clamp(min=0) // 2], -1)",
      "two copies claim one buffer slot"),
 ]
+F = "kernels/fused_access.py"
+FUSED_TESTS = ["tests/test_fused_access.py"]
+FUSED_MUTANTS = [  # the fused kernels, checked against the torch path by test_fused_access.py
+    (F, "first = keep & (tl.load(claim + safe, mask=keep, other=-1) == i)", "first = keep",
+     "fused: no dedup"),
+    (F, "        tl.store(claim + safe, tl.full(safe.shape, NO_CLAIM, tl.int64), mask=first)\n",
+     "", "fused: claim table left dirty"),
+    (F, "            keep = inrange & (phys >= 0)\n", "            keep = inrange\n",
+     "fused: unmapped addresses accessed"),
+    (F, "row = tl.where(epoch_t - epoch_of >= NB, 1, recent)",
+     "row = tl.where(epoch_t - epoch_of > NB, 1, recent)", "fused: cold boundary"),
+    (F, "tl.where(j == 1, 1, 2 + (epoch_t + j - 1) % NB))",
+     "tl.where(j == 1, 1, 2 + (epoch_t - j + 1 + NB) % NB))",
+     "fused: recent buckets in reverse order"),
+    (F, "rank = base + tl.cumsum(want.to(tl.int32), 0) - 1",
+     "rank = base + tl.cumsum(want.to(tl.int32), 0)", "fused: miss rank off by one"),
+    (F, "mask=b < pid, other=0", "mask=b <= pid, other=0",
+     "fused: block prefix counts its own block"),
+    (F, "sb = hb * HY + sb", "sb = hb * (HY - 1) + sb", "fused: hyper block offset"),
+    (F, "hyp = sup // HY", "hyp = sup // (HY + 1)", "fused: hyper counts of the wrong block"),
+    (F, "turned = move & (old <= 1)", "turned = move", "fused: re-touches counted as turnover"),
+    (F, "tl.store(cpu_free + top + rank, cslot, mask=moved)",
+     "tl.store(cpu_free + top + rank + 1, cslot, mask=moved)", "fused: push off by one"),
+    (F, "pos = top - 1 - (rank - n_free)", "pos = top - (rank - n_free)",
+     "fused: pop off by one"),
+    (F, "ok = ok & (~occupied | moved)", "ok = ok", "fused: placement ignores a failed spill"),
+    (F, "                    tl.store(cp, out_row, mask=occupied[:, None] & cm)\n", "",
+     "fused: the victim's row is not written back"),
+    (F, "moved = ok & ~occupied  # the vacated", "moved = ok  # the vacated",
+     "fused: a vacated CPU slot freed after a swap"),
+    (F, "rows = tl.where(keep & (rows >= 0) & (rows < G), rows + row_base, -1)",
+     "rows = tl.where(keep & (rows >= 0), rows + row_base, -1)",
+     "fused: CPU slots returned as GPU rows"),
+]
 # Not listed: equivalent mutants (no observable change), e.g. PBLRU.touch moving a slot that is
 # already in the current bucket to the current bucket again (the bit and count moves cancel).
 
@@ -108,9 +143,15 @@ def main() -> int:
         with open(copy / "tests" / "conftest.py", "a") as f:
             f.write(CONFTEST)
         env = {**os.environ, "PYTHONPATH": str(copy)}
-        only_tp = sys.argv[1:] == ["tp"]
-        for path, old, new, what, tests in [(*m, TESTS) for m in MUTANTS if not only_tp] + \
-                [(*m, TP_TESTS) for m in TP_MUTANTS]:
+        suites = {"core": [(*m, TESTS) for m in MUTANTS],
+                  "tp": [(*m, TP_TESTS) for m in TP_MUTANTS],
+                  "fused": [(*m, FUSED_TESTS) for m in FUSED_MUTANTS]}
+        chosen = sys.argv[1:] or list(suites)
+        if set(chosen) - set(suites):
+            print(f"usage: python tests/mutants.py [{' | '.join(suites)}] ...")
+            return 2
+        todo = [m for name in chosen for m in suites[name]]
+        for path, old, new, what, tests in todo:
             target = copy / path
             src = target.read_text()
             if src.count(old) != 1:
@@ -129,7 +170,7 @@ def main() -> int:
             missed += not caught
             print(f"{'caught' if caught else 'MISSED'} {what} ({time.time() - t0:.0f} s)",
                   flush=True)
-    total = len(TP_MUTANTS) + (0 if only_tp else len(MUTANTS))
+    total = len(todo)
     print(f"{total - missed} of {total} mutants caught by every run")
     return 1 if missed else 0
 

@@ -8,9 +8,10 @@ import pytest
 
 from . import mutants
 
+ALL = mutants.MUTANTS + mutants.TP_MUTANTS + mutants.FUSED_MUTANTS
 
-@pytest.mark.parametrize("path,old,new,what", mutants.MUTANTS + mutants.TP_MUTANTS,
-                         ids=[m[3] for m in mutants.MUTANTS + mutants.TP_MUTANTS])
+
+@pytest.mark.parametrize("path,old,new,what", ALL, ids=[m[3] for m in ALL])
 def test_mutant_original_is_present_once(path, old, new, what):
     assert old != new
     assert (mutants.ROOT / path).read_text().count(old) == 1, f"stale mutant: {what}"

@@ -21,6 +21,7 @@ from .pblru import POLICIES
 MAX_GPU_SLOTS = 2**31 - 2**17
 MAX_CPU_SLOTS = 2**40
 
+AccessPath = Literal["auto", "torch", "fused"]  # ulacache.group.ACCESS_PATHS
 PolicyName = Literal[tuple(POLICIES)]  # type: ignore[valid-type]  # one registry: pblru.POLICIES
 Layers = Annotated[int, Meta(ge=1, le=4096)]
 Buckets = Annotated[int, Meta(ge=2, le=4096)]
@@ -135,6 +136,7 @@ class UlaCacheConfig(_Checked, frozen=True, forbid_unknown_fields=True, kw_only=
     tp_size: Annotated[int, Meta(ge=1, le=8)] = 1  # ranks striping one address space (TP mode)
     buffer_slots: Annotated[int, Meta(ge=0, le=MAX_GPU_SLOTS)] = 0  # TP: local buffer rows
     shard_indexer: bool = True  # TP: indexer keys striped like the latent (else replicated)
+    access_path: AccessPath = "auto"  # fused Triton kernels on CUDA, torch reference elsewhere
 
     def _check(self) -> None:
         if self.tp_size > 1 and self.buffer_slots < 1:
@@ -205,6 +207,7 @@ class SGLangOptions(_Checked, frozen=True, forbid_unknown_fields=True, kw_only=T
     validate: bool = False  # host-side checks on every step (debugging; syncs the GPU)
     buffer_slots: Optional[Annotated[int, Meta(ge=1, le=MAX_GPU_SLOTS)]] = None  # TP only
     shard_indexer: bool = False  # TP only: exact sharded top-k merge (index-K replicated)
+    access_path: AccessPath = "auto"  # "torch" forces the reference path (debugging)
 
     def _check(self) -> None:
         if self.mode != "tp":

@@ -469,6 +469,11 @@ class SelectionGroup:
         """GPU rows of addresses, with no side effect: ``int32``, same shape; ``-1`` for
         padding and for anything not GPU-resident. For layers that share a selection their
         anchor already made resident this round."""
+        if self.fused is not None:
+            self._index_meta(addrs, "translate: addrs")
+            out = torch.empty(addrs.shape, dtype=torch.int32, device=self.device)
+            self.fused.translate(addrs.reshape(-1).contiguous(), out.view(-1))
+            return out
         flat = self._index_tensor(addrs, "translate: addrs")
         _, safe = self._range(flat)
         phys = self.loc[safe]

@@ -134,7 +134,8 @@ class PBLRU(ReplacementPolicy):
 
     - ``bits int64 [n_b + 3, W + 16]``, ``counts int32`` (popcount per word),
       ``super_counts int32 [n_b + 3, W / 16 + 1]`` (sums per superblock),
-      ``hyper_counts int32 [n_b + 3, ceil(W / 1024) + 1]`` (sums per 64 superblocks) and
+      ``hyper_counts int32 [n_b + 3, ceil(W / (16 hyper)) + 1]`` (sums per ``hyper`` = 64
+      superblocks) and
       ``row_counts int32 [n_b + 3, 2]`` (column 0: members of the row), kept in step; the last
       entry of each row is scratch (masked updates land there). The two upper levels let one
       fused kernel find the r-th victim with five scans of at most 67 values
@@ -152,7 +153,7 @@ class PBLRU(ReplacementPolicy):
     """
 
     def __init__(self, n_slots: int, n_buckets: int = 64, device: torch.device | str = "cpu",
-                 bucket_fill: int | None = None):
+                 bucket_fill: int | None = None, hyper: int = _HYPER):
         if n_slots < 1 or n_buckets < 2:
             raise ShapeError("PBLRU needs n_slots >= 1 and n_buckets >= 2")
         self.n_slots, self.n_buckets = int(n_slots), int(n_buckets)
@@ -161,7 +162,10 @@ class PBLRU(ReplacementPolicy):
         self.device = resolve_device(device)
         self.n_super = -(-self.n_slots // (_WORD_BITS * _SUPER))
         self.n_words = self.n_super * _SUPER  # padded to whole superblocks
-        self.n_hyper = -(-self.n_super // _HYPER)
+        self.hyper = int(hyper)  # superblocks per hyper block (small in tests: deep searches)
+        if self.hyper < 1:
+            raise ShapeError("PBLRU needs hyper >= 1")
+        self.n_hyper = -(-self.n_super // self.hyper)
         self.current_row = self.n_buckets + 2
         rows = self.n_buckets + 3
         i64 = dict(dtype=torch.int64, device=self.device)
@@ -195,7 +199,7 @@ class PBLRU(ReplacementPolicy):
         word = torch.div(slots, _WORD_BITS, rounding_mode="floor")
         value = torch.bitwise_left_shift(torch.ones_like(word), slots - word * _WORD_BITS)
         sup = torch.div(word, _SUPER, rounding_mode="floor")
-        hyp = torch.where(mask, torch.div(sup, _HYPER, rounding_mode="floor"), self.n_hyper)
+        hyp = torch.where(mask, torch.div(sup, self.hyper, rounding_mode="floor"), self.n_hyper)
         sup = torch.where(mask, sup, self.n_super)
         word = torch.where(mask, word, self.n_words)
         col = torch.where(mask, 0, 1)

@@ -69,7 +69,8 @@ class AddressSpace:
                            config.row_layout.row_bytes, self.device, config.policy,
                            config.n_buckets, config.validate,
                            None if gpu_storage is None else gpu_storage[i],
-                           counters=self.counter_table[i], claim=claim)
+                           counters=self.counter_table[i], claim=claim,
+                           access_path=config.access_path)
             for i, layers in enumerate(layer_groups)
         ]
         self.layer_to_group = {layer: gi for gi, g in enumerate(self.groups) for layer in g.layers}
