@@ -6,13 +6,17 @@
 # 1. pytest -m gpu (all GPU-marked tests: each kernel vs its reference per compile backend, the
 #    decode graph, stream order, CUDA IPC peers, TP mode in two processes on one GPU),
 # 2. bench/bandwidth.py --json --sweep (ceilings and every kernel at 656/1152 B x 2K/16K/131K),
-# 3. bench/hisparse_head_to_head.py --quick (when SGLang's kernel sources are carried),
-# 4. a short summary table, printed last, with the issue's targets marked.
-# Full logs go to LOGDIR: pytest_gpu.log, bandwidth.json, bandwidth.log, summary.txt.
+# 3. bench/access_bench.py --quick (fused access vs the torch path: launches, identical
+#    results, time ratio, access / data-movement; graph-captured),
+# 4. bench/hisparse_head_to_head.py --quick (when SGLang's kernel sources are carried; its
+#    ulacache side runs the fused path, the default on CUDA),
+# 5. a short summary table, printed last, with the issue's targets marked.
+# Full logs go to LOGDIR: pytest_gpu.log, bandwidth.json, bandwidth.log, access.json,
+# access.log, hisparse_h2h.json, summary.txt.
 # Exit code: 0 when tests pass and the bench ran (targets are reported, not enforced),
 # 1 on a test failure, 2 when the bench could not run.
 # Environment: PYTHON (default python3), PYTEST_TIMEOUT (default 200 s), BENCH_TIMEOUT (110 s),
-# H2H_TIMEOUT (150 s).
+# ACCESS_TIMEOUT (60 s), H2H_TIMEOUT (90 s): 460 s at worst, as before the access bench.
 #
 # The lent H200's image has torch, Triton, CuPy, prometheus_client and hypothesis but not
 # msgspec (the core's config library). Carry its wheel (docs/benchmarks.md, "Device check"):
@@ -80,19 +84,28 @@ timeout "${BENCH_TIMEOUT:-110}" "$PY" bench/bandwidth.py --json --sweep \
 BENCH_RC=$?
 tail -n 3 "$LOGDIR/bandwidth.log"
 
+# The fused access path (issue 10): launches per group-step, identical to the torch path,
+# per-step time ratio and access / pure data movement, pools 2^16 and 2^20 (the full grid is
+# `python bench/access_bench.py`). HiSparse is timed by the head-to-head below.
+echo "== bench/access_bench.py --quick --json"
+timeout "${ACCESS_TIMEOUT:-60}" "$PY" bench/access_bench.py --quick --pools 16,20 \
+    --no-hisparse --json > "$LOGDIR/access.json" 2> "$LOGDIR/access.log"
+ACCESS_RC=$?
+tail -n 12 "$LOGDIR/access.log"
+
 # HiSparse's own swap-in kernel vs ulacache's access on identical selections (issue 11): runs
 # when the sglang and apache-tvm-ffi wheels are carried in .whl-hisparse/ (see the script's
 # header); otherwise it says what to carry and exits 0. Its runtime is not measured yet.
 echo "== bench/hisparse_head_to_head.py --quick --json"
-timeout "${H2H_TIMEOUT:-150}" "$PY" bench/hisparse_head_to_head.py --quick --json \
+timeout "${H2H_TIMEOUT:-90}" "$PY" bench/hisparse_head_to_head.py --quick --json \
     > "$LOGDIR/hisparse_h2h.json" 2> "$LOGDIR/hisparse_h2h.log"
 H2H_RC=$?
 tail -n 25 "$LOGDIR/hisparse_h2h.log"
 
-"$PY" - "$LOGDIR" "$PYTEST_RC" "$BENCH_RC" "$T0" "$H2H_RC" <<'EOF' | tee "$LOGDIR/summary.txt"
+"$PY" - "$LOGDIR" "$PYTEST_RC" "$BENCH_RC" "$T0" "$H2H_RC" "$ACCESS_RC" <<'EOF' | tee "$LOGDIR/summary.txt"
 import json, sys, time
 logdir, prc, brc, t0 = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-hrc = int(sys.argv[5])
+hrc, arc = int(sys.argv[5]), int(sys.argv[6])
 lines = [f"== summary ({time.time() - t0:.0f} s)",
          f"pytest -m gpu: rc={prc} ({'pass' if prc == 0 else 'FAIL'})"]
 try:  # per test file: passed / failed / skipped (TP over CUDA IPC, peers, kernels, graphs)
@@ -128,11 +141,28 @@ if res:
             tgt = ">=0.60 " + ("ok" if r["ratio"] >= 0.60 else "MISS")
         lines.append(f"{r['kernel']:<14}{r['row_bytes']:>6}{r['rows']:>8}{r['gbps']:>9.1f}"
                      f"{r['ratio']:>7.3f}  {tgt}")
+lines.append(f"access bench (fused vs torch): rc={arc} ({'ok' if arc == 0 else 'FAIL'})")
+try:
+    with open(f"{logdir}/access.json") as f:
+        acc = json.load(f)
+    lines.append(f"{'batch':>6}{'pool':>9}{'hit':>7}{'launch':>7}{'same':>5}{'speed-up':>9}"
+                 f"{'access/data':>12}  target <= 1.10")
+    for c in acc.get("cells", []):
+        ad = c.get("access_over_move")
+        lines.append(f"{c.get('batch', '?'):>6}{c.get('pool', '?'):>9}"
+                     f"{c.get('hit_measured', float('nan')):>7.3f}"
+                     f"{c.get('launches_per_step', float('nan')):>7.2f}"
+                     f"{'yes' if c.get('identical') else 'NO':>5}"
+                     f"{c.get('graph_speedup') or c.get('speedup') or float('nan'):>9.2f}"
+                     f"{ad if ad is None else round(ad, 3)!s:>12}"
+                     + ("" if ad is None else ("  ok" if ad <= 1.10 else "  MISS")))
+except Exception as e:  # no JSON: the bench failed or timed out
+    lines.append(f"  (no access JSON: {e}; see {logdir}/access.log)")
 lines.append(f"hisparse head-to-head: rc={hrc} (JSON in {logdir}/hisparse_h2h.json; "
              "HiSparse / ulacache ratios there)")
 print("\n".join(lines))
 EOF
 
-if [ "$PYTEST_RC" -ne 0 ]; then exit 1; fi
+if [ "$PYTEST_RC" -ne 0 ] || [ "$ACCESS_RC" -eq 1 ]; then exit 1; fi
 if [ "$BENCH_RC" -ne 0 ]; then exit 2; fi
 exit 0
