@@ -33,7 +33,7 @@ SIMULATION + COST MODEL, NOT A GPU MEASUREMENT. What is real and what is modelle
   real ``Residency.step`` (round start, placement of the new tokens, access) at the dispatcher,
   views excluded (``--ula-launches`` overrides); HiSparse ``--hs-launches`` (2: its swap-in
   kernel and the previous-token backup); resident 0. A what-if column re-times ulacache with its
-  access fused to ``--ula-fused-launches`` (4, docs/fused-access-plan.md, not built).
+  access fused to ``--ula-fused-launches`` (4, docs/fused-access.md; built, not yet timed on a GPU).
   ``--control measured`` uses this machine's measured CPU time of the policy's access instead,
   x layers (a CPU figure, not a GPU one); PCIe: max(H2D, D2H) bytes /
   ``--pcie-gbs`` (full duplex; default 50 GB/s, the H200 copy-engine figure rounded down);
@@ -277,7 +277,7 @@ class Config:
     pcie_gbs: float = 50.0
     launch_us: float = 2.0  # per kernel node in a CUDA-graph replay (assumed)
     ula_launches: int = 0  # per group-step; 0: counted from the real core's aten ops
-    ula_fused_launches: int = 4  # what-if: docs/fused-access-plan.md (not built)
+    ula_fused_launches: int = 4  # what-if: docs/fused-access.md (built; GPU time unmeasured)
     hs_launches: int = 2  # swap-in kernel + previous-token backup
     control: str = "launch"  # or "measured"
     heads: int = 128
@@ -534,7 +534,7 @@ def markdown(res: dict) -> str:
             f"{cfg['layers']} groups x {cfg['launch_us']} us"
             + (f" (overridden: {cfg['ula_launches']})" if cfg["ula_launches"] else ""))
         lines.append(f"What-if, access fused to {cfg['ula_fused_launches']} launches per group "
-                     f"(docs/fused-access-plan.md, not built): ulacache/{fz}")
+                     f"(docs/fused-access.md; built, not yet timed on a GPU): ulacache/{fz}")
     return "\n".join(lines) + "\n"
 
 

@@ -4,7 +4,7 @@ The torch path (:meth:`ulacache.group.SelectionGroup.access` with ``access_path=
 the reference: the fused path must leave every table, counter, policy word and pool byte exactly
 as it does. Decisions are fixed by that order: misses take victims by their first occurrence,
 from the PB-LRU state after this step's hits were touched; so there are three grid-wide
-synchronisation points and four kernels (docs/fused-access-plan.md):
+synchronisation points and four kernels (docs/fused-access.md):
 
 ====  =====================================================================================
 K1    resolve ``phys = loc[addr]``; the entries to keep (access: live; place: unmapped)

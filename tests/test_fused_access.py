@@ -84,6 +84,20 @@ def test_deep_victim_search_matches_the_reference():
     ref.check_integrity()
 
 
+def test_placement_when_the_cpu_tier_runs_dry():
+    """GPU and CPU tiers fill up; later placements find victims but no CPU slot to spill them
+    to (the pop runs dry part-way through a call): those rows are refused, the rest stored."""
+    ref, fused = make_twins(2, 200, 16, 20, 16, 2)
+    d = TwinDriver(ref, fused, 23)
+    for _ in range(7):
+        d.advance()
+        d.place(9, hostile=False)
+    c = ref.counter_values()
+    assert c["spills"] == 20 and c["place_overflow"] > 0
+    assert c["placed"] - c["spills"] == 16
+    ref.check_integrity()
+
+
 def test_victims_from_every_source_in_order():
     """Free slots, then cold, then recent buckets oldest first: a pool with all three, one
     access missing more rows than the free slots hold."""
