@@ -234,89 +234,96 @@ if triton is not None:
                          PLACE: tl.constexpr, NB: tl.constexpr, RP: tl.constexpr,
                          L: tl.constexpr, RW: tl.constexpr, HP: tl.constexpr,
                          HY: tl.constexpr, HYP2: tl.constexpr,
-                         BP: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                         BP: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
+                         BLOCK: tl.constexpr):
         pid = tl.program_id(0)
-        i = pid * BLOCK + tl.arange(0, BLOCK)
-        live = i < n
-        st = tl.load(status + i, mask=live, other=0)
-        want = (st & WANT) != 0
         b = tl.arange(0, BP)
-        base = tl.sum(tl.load(block_want + b, mask=b < pid, other=0))
-        rank = base + tl.cumsum(want.to(tl.int32), 0) - 1
-        # -- victim choice: the rank-th slot in victim order (PBLRU.victims) ------------------
+        run = tl.sum(tl.load(block_want + b, mask=b < pid, other=0))  # wants before this entry
         epoch_t = tl.load(epoch_ptr)
         j = tl.arange(0, RP)
         tot = tl.load(rowc + _victim_row(j, epoch_t, NB) * 2, mask=j < NB + 2, other=0)
-        total = tl.sum(tot)
+        total = tl.sum(tot)  # slots in victim order (this round's bucket excluded)
         n_free = tl.load(rowc)
-        sel = want & (rank < total)
-        jj, r = _select(tl.zeros([BLOCK, RP], tl.int32) + tot[None, :], rank)
-        row = tl.where(sel, _victim_row(jj, epoch_t, NB), 0)
-        h = tl.arange(0, HP)
-        hb, r = _select(tl.load(hypc + row[:, None] * H1 + h[None, :],
-                                mask=sel[:, None] & (h[None, :] < NH), other=0), r)
-        k = tl.arange(0, HYP2)[None, :]
-        s = hb[:, None] * HY + k
-        sb, r = _select(tl.load(supc + row[:, None] * S1 + s,
-                                mask=sel[:, None] & (k < HY) & (s < NS), other=0), r)
-        sb = hb * HY + sb
-        w = sb[:, None] * 16 + tl.arange(0, 16)[None, :]
-        wb, r = _select(tl.load(counts + row[:, None] * W1 + w, mask=sel[:, None], other=0), r)
-        word = sb * 16 + wb
-        val = tl.load(bits + row * W1 + word, mask=sel, other=0)
-        ones = (val[:, None] >> tl.arange(0, 64)[None, :].to(tl.int64)) & 1
-        bit, _ = _select(ones, r.to(tl.int64))
-        victim = tl.where(sel, word.to(tl.int64) * 63 + bit, -1)
-        ok = victim >= 0
-        vs = tl.where(ok, victim, G)
-        owner = tl.load(gpu_owner + vs, mask=ok, other=-1)
-        occupied = ok & (owner >= 0)
-        a = tl.load(addrs + i, mask=live, other=-1).to(tl.int64)
         top = tl.load(cpu_top)
-        if PLACE:
-            # an occupied victim is spilled to a popped CPU slot (pop order = rank order)
-            pos = top - 1 - (rank - n_free)
-            moved = occupied & (pos >= 0)
-            cslot = tl.load(cpu_free + tl.where(moved, pos, 0), mask=moved, other=C)
-            ok = ok & (~occupied | moved)
-            victim = tl.where(ok, victim, -1)
-        else:
-            cslot = tl.where(ok, tl.load(phys_in + i, mask=ok, other=G) - G, C)
-            moved = ok & ~occupied  # the vacated CPU slot goes back to the free stack
-        # -- data first: every layer of the group ---------------------------------------------
-        for layer in range(L):
-            for c0 in range(0, RW, CHUNK):
-                cc = c0 + tl.arange(0, CHUNK)[None, :]
-                cm = cc < RW
-                gp = gpu_pool + layer * g_sl + vs[:, None] * g_sr + cc
-                cp = cpu_pool + layer * c_sl + cslot[:, None] * c_sr + cc
-                if PLACE:
-                    tl.store(cp, tl.load(gp, mask=moved[:, None] & cm), mask=moved[:, None] & cm)
-                else:  # swap, or a single copy into a free victim slot
-                    out_row = tl.load(gp, mask=occupied[:, None] & cm)
-                    in_row = tl.load(cp, mask=ok[:, None] & cm)
-                    tl.store(gp, in_row, mask=ok[:, None] & cm)
-                    tl.store(cp, out_row, mask=occupied[:, None] & cm)
-        # -- then the mapping -----------------------------------------------------------------
-        if PLACE:
-            tl.store(loc + tl.where(moved, owner, 0), G + cslot, mask=moved)
-            tl.store(cpu_owner + cslot, owner, mask=moved)
-            tl.atomic_add(counters + C_PLACED, tl.sum(ok.to(tl.int64)), sem="relaxed")
-            tl.atomic_add(counters + C_SPILLS, tl.sum(moved.to(tl.int64)), sem="relaxed")
-            tl.atomic_add(counters + C_PLACE_OVERFLOW, tl.sum((want & ~ok).to(tl.int64)),
-                          sem="relaxed")
-        else:
-            tl.store(loc + tl.where(occupied, owner, 0), G + cslot, mask=occupied)
-            tl.store(cpu_owner + cslot, tl.where(occupied, owner, -1), mask=ok)
-            tl.store(cpu_free + top + rank, cslot, mask=moved)
-            tl.atomic_add(counters + C_PROMOTIONS, tl.sum(ok.to(tl.int64)), sem="relaxed")
-            tl.atomic_add(counters + C_WRITEBACKS, tl.sum(occupied.to(tl.int64)), sem="relaxed")
-            tl.atomic_add(counters + C_ACCESS_OVERFLOW, tl.sum((want & ~ok).to(tl.int64)),
-                          sem="relaxed")
-        tl.store(loc + tl.where(ok, a, 0), victim, mask=ok)
-        tl.store(gpu_owner + vs, a, mask=ok)
-        tl.store(victim_out + i, victim, mask=live)
-        tl.store(status + i, st | tl.where(moved, MOVED, 0), mask=live)
+        # SUB entries at a time: the search tiles are [SUB, <= 128] (no register spills)
+        for c in range(0, BLOCK, SUB):
+            i = pid * BLOCK + c + tl.arange(0, SUB)
+            live = i < n
+            st = tl.load(status + i, mask=live, other=0)
+            want = (st & WANT) != 0
+            rank = run + tl.cumsum(want.to(tl.int32), 0) - 1
+            run += tl.sum(want.to(tl.int32))
+            # -- victim choice: the rank-th slot in victim order (PBLRU.victims) --------------
+            sel = want & (rank < total)
+            jj, r = _select(tl.zeros([SUB, RP], tl.int32) + tot[None, :], rank)
+            row = tl.where(sel, _victim_row(jj, epoch_t, NB), 0)
+            h = tl.arange(0, HP)
+            hb, r = _select(tl.load(hypc + row[:, None] * H1 + h[None, :],
+                                    mask=sel[:, None] & (h[None, :] < NH), other=0), r)
+            k = tl.arange(0, HYP2)[None, :]
+            s = hb[:, None] * HY + k
+            sb, r = _select(tl.load(supc + row[:, None] * S1 + s,
+                                    mask=sel[:, None] & (k < HY) & (s < NS), other=0), r)
+            sb = hb * HY + sb
+            w = sb[:, None] * 16 + tl.arange(0, 16)[None, :]
+            wb, r = _select(tl.load(counts + row[:, None] * W1 + w, mask=sel[:, None],
+                                    other=0), r)
+            word = sb * 16 + wb
+            val = tl.load(bits + row * W1 + word, mask=sel, other=0)
+            ones = (val[:, None] >> tl.arange(0, 64)[None, :].to(tl.int64)) & 1
+            bit, _ = _select(ones, r.to(tl.int64))
+            victim = tl.where(sel, word.to(tl.int64) * 63 + bit, -1)
+            ok = victim >= 0
+            vs = tl.where(ok, victim, G)
+            owner = tl.load(gpu_owner + vs, mask=ok, other=-1)
+            occupied = ok & (owner >= 0)
+            a = tl.load(addrs + i, mask=live, other=-1).to(tl.int64)
+            if PLACE:
+                # an occupied victim is spilled to a popped CPU slot (pop order = rank order)
+                pos = top - 1 - (rank - n_free)
+                moved = occupied & (pos >= 0)
+                cslot = tl.load(cpu_free + tl.where(moved, pos, 0), mask=moved, other=C)
+                ok = ok & (~occupied | moved)
+                victim = tl.where(ok, victim, -1)
+            else:
+                cslot = tl.where(ok, tl.load(phys_in + i, mask=ok, other=G) - G, C)
+                moved = ok & ~occupied  # the vacated CPU slot goes back to the free stack
+            # -- data first: every layer of the group -----------------------------------------
+            for layer in range(L):
+                for c0 in range(0, RW, CHUNK):
+                    cc = c0 + tl.arange(0, CHUNK)[None, :]
+                    cm = cc < RW
+                    gp = gpu_pool + layer * g_sl + vs[:, None] * g_sr + cc
+                    cp = cpu_pool + layer * c_sl + cslot[:, None] * c_sr + cc
+                    if PLACE:
+                        tl.store(cp, tl.load(gp, mask=moved[:, None] & cm),
+                                 mask=moved[:, None] & cm)
+                    else:  # swap, or a single copy into a free victim slot
+                        out_row = tl.load(gp, mask=occupied[:, None] & cm)
+                        in_row = tl.load(cp, mask=ok[:, None] & cm)
+                        tl.store(gp, in_row, mask=ok[:, None] & cm)
+                        tl.store(cp, out_row, mask=occupied[:, None] & cm)
+            # -- then the mapping -------------------------------------------------------------
+            if PLACE:
+                tl.store(loc + tl.where(moved, owner, 0), G + cslot, mask=moved)
+                tl.store(cpu_owner + cslot, owner, mask=moved)
+                tl.atomic_add(counters + C_PLACED, tl.sum(ok.to(tl.int64)), sem="relaxed")
+                tl.atomic_add(counters + C_SPILLS, tl.sum(moved.to(tl.int64)), sem="relaxed")
+                tl.atomic_add(counters + C_PLACE_OVERFLOW, tl.sum((want & ~ok).to(tl.int64)),
+                              sem="relaxed")
+            else:
+                tl.store(loc + tl.where(occupied, owner, 0), G + cslot, mask=occupied)
+                tl.store(cpu_owner + cslot, tl.where(occupied, owner, -1), mask=ok)
+                tl.store(cpu_free + top + rank, cslot, mask=moved)
+                tl.atomic_add(counters + C_PROMOTIONS, tl.sum(ok.to(tl.int64)), sem="relaxed")
+                tl.atomic_add(counters + C_WRITEBACKS, tl.sum(occupied.to(tl.int64)),
+                              sem="relaxed")
+                tl.atomic_add(counters + C_ACCESS_OVERFLOW, tl.sum((want & ~ok).to(tl.int64)),
+                              sem="relaxed")
+            tl.store(loc + tl.where(ok, a, 0), victim, mask=ok)
+            tl.store(gpu_owner + vs, a, mask=ok)
+            tl.store(victim_out + i, victim, mask=live)
+            tl.store(status + i, st | tl.where(moved, MOVED, 0), mask=live)
 
     @triton.jit
     def _k4_assign_translate(addrs, status, victim_in, out, loc, cpu_top,
@@ -377,6 +384,7 @@ class FusedAccess:
     """
 
     BLOCK = 128
+    SUB = 16  # entries per victim search in K3 (its [SUB, 128] tiles stay in registers)
     CHUNK = 64  # words of a row copied per inner step
 
     def __init__(self, group) -> None:
@@ -437,7 +445,7 @@ class FusedAccess:
                 cw.stride(0), cw.stride(1), n, G, C, self.w1, self.s1, self.h1, p.n_super,
                 p.n_hyper, grid[0], NB=self.nb, RP=self.rp, L=gw.shape[0], RW=gw.shape[2],
                 HP=self.hp, HY=p.hyper, HYP2=_pow2(p.hyper), BP=_pow2(grid[0]),
-                CHUNK=self.CHUNK, **mode)
+                CHUNK=self.CHUNK, SUB=self.SUB, **mode)
         _launch(_k4_assign_translate, grid, addrs, status, victim,
                 out if out is not None else status, g.loc, g.pools.cpu_top, *pol, *stamps,
                 n, N, G, self.w1, self.s1, self.h1, row_base, NB=self.nb, HY=p.hyper, **mode)
