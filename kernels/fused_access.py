@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 
 import torch
 
@@ -63,6 +64,7 @@ __all__ = ["available", "FusedAccess", "launch_count", "in_launch", "translate",
 LAUNCHES_PER_CALL = 4
 _launches = 0
 _launching = False
+_interpreter_lock = threading.Lock()  # the interpreter's grid state is process-global
 
 
 def available() -> bool:
@@ -83,12 +85,20 @@ def in_launch() -> bool:
 
 def _launch(kernel, grid, *args, **meta) -> None:
     global _launches, _launching
-    _launches += 1
-    _launching = True
-    try:
+    if not INTERPRETED:
+        _launches += 1
         kernel[grid](*args, **meta)
-    finally:
-        _launching = False
+        return
+    # Simulated TP ranks are threads: one interpreted launch at a time (a launch never waits
+    # on another rank, so serialising launches cannot deadlock a collective).
+    with _interpreter_lock:
+        _launches += 1
+        _launching = True
+        try:
+            kernel[grid](*args, **meta)
+        finally:
+            _launching = False
+_interpreter_lock = threading.Lock()  # the interpreter's grid state is process-global
 
 
 COUNTER_COLUMNS = {"accesses": 0, "gpu_hits": 1, "promotions": 2, "writebacks": 3,
@@ -161,11 +171,21 @@ if triton is not None:
         tl.store(epoch_of + slot, tl.zeros_like(slot) + epoch_t, mask=move)
 
     @triton.jit
-    def _k1_claim(addrs, loc, claim, phys_out, status, counters, n, N,
-                  PLACE: tl.constexpr, BLOCK: tl.constexpr):
+    def _k1_claim(addrs, local, loc, claim, phys_out, status, counters, n, N, NG, RANK,
+                  PLACE: tl.constexpr, TPP: tl.constexpr, BLOCK: tl.constexpr):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         live = i < n
-        a = tl.load(addrs + i, mask=live, other=-1).to(tl.int64)
+        raw = tl.load(addrs + i, mask=live, other=-1).to(tl.int64)
+        if TPP > 1:
+            # TP rank RANK of TPP: global address t is local position t // TPP on rank
+            # t % TPP; peers' addresses are not this access's (the gates serve them)
+            striped = (raw >= 0) & (raw < NG)
+            mine = striped & (raw % TPP == RANK)
+            a = tl.where(mine, raw // TPP, -1)
+            peers = striped & ~mine
+        else:
+            a = raw
+            peers = i < 0  # none (a false tensor of the right shape)
         inrange = live & (a >= 0) & (a < N)
         safe = tl.where(inrange, a, N)
         phys = tl.load(loc + safe, mask=live, other=-1)
@@ -173,14 +193,15 @@ if triton is not None:
             keep = inrange & (phys < 0)
         else:
             keep = inrange & (phys >= 0)
-            bad = live & (a != -1) & ~keep
+            bad = live & (raw != -1) & ~keep & ~peers
             tl.atomic_add(counters + C_INVALID, tl.sum(bad.to(tl.int64)), sem="relaxed")
         tl.atomic_min(claim + safe, i.to(tl.int64), mask=keep, sem="relaxed")
+        tl.store(local + i, a, mask=live)
         tl.store(phys_out + i, phys, mask=live)
         tl.store(status + i, keep.to(tl.int32), mask=live)
 
     @triton.jit
-    def _k2_first_touch(addrs, claim, phys_in, status, block_want, counters,
+    def _k2_first_touch(local, claim, phys_in, status, block_want, counters,
                         bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr,
                         epoch_ptr, entered, n, N, G, W1, S1, H1,
                         PLACE: tl.constexpr, NB: tl.constexpr, HY: tl.constexpr,
@@ -190,7 +211,7 @@ if triton is not None:
         live = i < n
         st = tl.load(status + i, mask=live, other=0)
         keep = (st & KEEP) != 0
-        a = tl.load(addrs + i, mask=live, other=-1).to(tl.int64)
+        a = tl.load(local + i, mask=live, other=-1)
         safe = tl.where(keep, a, N)
         first = keep & (tl.load(claim + safe, mask=keep, other=-1) == i)
         # Only the first occurrence resets its claim; a duplicate reading either value is not
@@ -226,7 +247,41 @@ if triton is not None:
         return tl.sum(before.to(tl.int32), 1), r - tl.sum(tl.where(before, vals, 0), 1)
 
     @triton.jit
-    def _k3_victims_move(addrs, phys_in, status, block_want, victim_out, counters,
+    def _victim_order(rowc, epoch_ptr, NB: tl.constexpr, RP: tl.constexpr):
+        """(epoch, row totals in victim order ``[RP]``, their sum, free slots)."""
+        epoch_t = tl.load(epoch_ptr)
+        j = tl.arange(0, RP)
+        tot = tl.load(rowc + _victim_row(j, epoch_t, NB) * 2, mask=j < NB + 2, other=0)
+        return epoch_t, tot, tl.sum(tot), tl.load(rowc)
+
+    @triton.jit
+    def _victims(rank, want, tot, total, epoch_t, bits, counts, supc, hypc, W1, S1, H1, NS, NH,
+                 NB: tl.constexpr, RP: tl.constexpr, HP: tl.constexpr, HY: tl.constexpr,
+                 HYP2: tl.constexpr, SUB: tl.constexpr):
+        """PBLRU.victims(n)[rank] where ``want`` (``int64 [SUB]``, -1 elsewhere or past the
+        eligible slots): descend row totals -> hyper blocks -> superblocks -> words -> bits."""
+        sel = want & (rank < total)
+        jj, r = _select(tl.zeros([SUB, RP], tl.int32) + tot[None, :], rank)
+        row = tl.where(sel, _victim_row(jj, epoch_t, NB), 0)
+        h = tl.arange(0, HP)
+        hb, r = _select(tl.load(hypc + row[:, None] * H1 + h[None, :],
+                                mask=sel[:, None] & (h[None, :] < NH), other=0), r)
+        k = tl.arange(0, HYP2)[None, :]
+        s = hb[:, None] * HY + k
+        sb, r = _select(tl.load(supc + row[:, None] * S1 + s,
+                                mask=sel[:, None] & (k < HY) & (s < NS), other=0), r)
+        sb = hb * HY + sb
+        w = sb[:, None] * 16 + tl.arange(0, 16)[None, :]
+        wb, r = _select(tl.load(counts + row[:, None] * W1 + w, mask=sel[:, None], other=0),
+                        r)
+        word = sb * 16 + wb
+        val = tl.load(bits + row * W1 + word, mask=sel, other=0)
+        ones = (val[:, None] >> tl.arange(0, 64)[None, :].to(tl.int64)) & 1
+        bit, _ = _select(ones, r.to(tl.int64))
+        return tl.where(sel, word.to(tl.int64) * 63 + bit, -1)
+
+    @triton.jit
+    def _k3_victims_move(local, phys_in, status, block_want, victim_out, counters,
                          bits, counts, supc, hypc, rowc, epoch_ptr,
                          loc, gpu_owner, cpu_owner, cpu_free, cpu_top,
                          gpu_pool, cpu_pool, g_sl, g_sr, c_sl, c_sr,
@@ -239,11 +294,7 @@ if triton is not None:
         pid = tl.program_id(0)
         b = tl.arange(0, BP)
         run = tl.sum(tl.load(block_want + b, mask=b < pid, other=0))  # wants before this entry
-        epoch_t = tl.load(epoch_ptr)
-        j = tl.arange(0, RP)
-        tot = tl.load(rowc + _victim_row(j, epoch_t, NB) * 2, mask=j < NB + 2, other=0)
-        total = tl.sum(tot)  # slots in victim order (this round's bucket excluded)
-        n_free = tl.load(rowc)
+        epoch_t, tot, total, n_free = _victim_order(rowc, epoch_ptr, NB, RP)
         top = tl.load(cpu_top)
         # SUB entries at a time: the search tiles are [SUB, <= 128] (no register spills)
         for c in range(0, BLOCK, SUB):
@@ -253,31 +304,13 @@ if triton is not None:
             want = (st & WANT) != 0
             rank = run + tl.cumsum(want.to(tl.int32), 0) - 1
             run += tl.sum(want.to(tl.int32))
-            # -- victim choice: the rank-th slot in victim order (PBLRU.victims) --------------
-            sel = want & (rank < total)
-            jj, r = _select(tl.zeros([SUB, RP], tl.int32) + tot[None, :], rank)
-            row = tl.where(sel, _victim_row(jj, epoch_t, NB), 0)
-            h = tl.arange(0, HP)
-            hb, r = _select(tl.load(hypc + row[:, None] * H1 + h[None, :],
-                                    mask=sel[:, None] & (h[None, :] < NH), other=0), r)
-            k = tl.arange(0, HYP2)[None, :]
-            s = hb[:, None] * HY + k
-            sb, r = _select(tl.load(supc + row[:, None] * S1 + s,
-                                    mask=sel[:, None] & (k < HY) & (s < NS), other=0), r)
-            sb = hb * HY + sb
-            w = sb[:, None] * 16 + tl.arange(0, 16)[None, :]
-            wb, r = _select(tl.load(counts + row[:, None] * W1 + w, mask=sel[:, None],
-                                    other=0), r)
-            word = sb * 16 + wb
-            val = tl.load(bits + row * W1 + word, mask=sel, other=0)
-            ones = (val[:, None] >> tl.arange(0, 64)[None, :].to(tl.int64)) & 1
-            bit, _ = _select(ones, r.to(tl.int64))
-            victim = tl.where(sel, word.to(tl.int64) * 63 + bit, -1)
+            victim = _victims(rank, want, tot, total, epoch_t, bits, counts, supc, hypc, W1,
+                              S1, H1, NS, NH, NB, RP, HP, HY, HYP2, SUB)
             ok = victim >= 0
             vs = tl.where(ok, victim, G)
             owner = tl.load(gpu_owner + vs, mask=ok, other=-1)
             occupied = ok & (owner >= 0)
-            a = tl.load(addrs + i, mask=live, other=-1).to(tl.int64)
+            a = tl.load(local + i, mask=live, other=-1)
             if PLACE:
                 # an occupied victim is spilled to a popped CPU slot (pop order = rank order)
                 pos = top - 1 - (rank - n_free)
@@ -326,7 +359,7 @@ if triton is not None:
             tl.store(status + i, st | tl.where(moved, MOVED, 0), mask=live)
 
     @triton.jit
-    def _k4_assign_translate(addrs, status, victim_in, out, loc, cpu_top,
+    def _k4_assign_translate(local, status, victim_in, out, loc, cpu_top,
                              bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr,
                              epoch_ptr, entered, n, N, G, W1, S1, H1, row_base,
                              PLACE: tl.constexpr, NB: tl.constexpr, HY: tl.constexpr,
@@ -343,7 +376,7 @@ if triton is not None:
         else:
             tl.atomic_add(cpu_top, moved, sem="relaxed")
             keep = (st & KEEP) != 0
-            a = tl.load(addrs + i, mask=keep, other=N).to(tl.int64)
+            a = tl.load(local + i, mask=keep, other=N)
             rows = tl.load(loc + tl.where(keep, a, N), mask=keep, other=-1)
             rows = tl.where(keep & (rows >= 0) & (rows < G), rows + row_base, -1)
             tl.store(out + i, rows.to(tl.int32), mask=live)
@@ -403,11 +436,13 @@ class FusedAccess:
             self.gpu_words, self.cpu_words = group.pools.gpu, group.pools.cpu
 
     def scratch(self, n: int) -> tuple[torch.Tensor, ...]:
-        """(phys int64 [n], status int32 [n], victim int64 [n], per-block wants int32)."""
+        """(local address int64 [n], phys int64 [n], status int32 [n], victim int64 [n],
+        per-block wants int32)."""
         if n not in self._scratch:
             dev = self.g.device
             blocks = max(1, -(-n // self.BLOCK))
             self._scratch[n] = (torch.empty(n, dtype=torch.int64, device=dev),
+                                torch.empty(n, dtype=torch.int64, device=dev),
                                 torch.empty(n, dtype=torch.int32, device=dev),
                                 torch.empty(n, dtype=torch.int64, device=dev),
                                 torch.empty(blocks, dtype=torch.int32, device=dev))
@@ -418,15 +453,19 @@ class FusedAccess:
         return (p.bits, p.counts, p.super_counts, p.hyper_counts, p.row_counts)
 
     def run(self, addrs: torch.Tensor, place: bool, out: torch.Tensor | None = None,
-            victim_out: torch.Tensor | None = None, row_base: int = 0) -> None:
+            victim_out: torch.Tensor | None = None, row_base: int = 0,
+            stripe: tuple[int, int, int] | None = None) -> None:
         """K1..K4 over the flat contiguous ``addrs`` (``int32|int64``). Access writes the GPU
         rows to ``out`` (``int32``, ``addrs.numel()`` elements); place writes the slots to
-        ``victim_out`` (``int64``)."""
+        ``victim_out`` (``int64``). ``stripe = (P, rank, n_global)`` (access only): ``addrs``
+        are TP-global; this rank's (``t % P == rank``) are accessed at ``t // P``, the rest
+        read as padding without being counted invalid (:mod:`ulacache.tp` serves them)."""
         g, p = self.g, self.g.policy
         n = addrs.numel()
         if n == 0:
             return
-        phys, status, victim, block_want = self.scratch(n)
+        P, rank, n_global = stripe if stripe is not None else (1, 0, g.n_logical)
+        local, phys, status, victim, block_want = self.scratch(n)
         if victim_out is not None:
             victim = victim_out
         grid = (block_want.numel(),)
@@ -434,19 +473,20 @@ class FusedAccess:
         pol = self._policy_args()
         stamps = (p.round_of, p.epoch_of, p.round_t, p.epoch_t, p.entered)
         mode = dict(PLACE=place, BLOCK=self.BLOCK)
-        _launch(_k1_claim, grid, addrs, g.loc, g._claim, phys, status, g.counters, n, N, **mode)
-        _launch(_k2_first_touch, grid, addrs, g._claim, phys, status, block_want, g.counters,
+        _launch(_k1_claim, grid, addrs, local, g.loc, g._claim, phys, status, g.counters, n, N,
+                n_global, rank, TPP=P, **mode)
+        _launch(_k2_first_touch, grid, local, g._claim, phys, status, block_want, g.counters,
                 *pol, *stamps, n, N, G, self.w1, self.s1, self.h1, NB=self.nb, HY=p.hyper,
                 **mode)
         gw, cw = self.gpu_words, self.cpu_words
-        _launch(_k3_victims_move, grid, addrs, phys, status, block_want, victim, g.counters,
+        _launch(_k3_victims_move, grid, local, phys, status, block_want, victim, g.counters,
                 *pol, p.epoch_t, g.loc, g.gpu_owner, g.cpu_owner, g.pools.cpu_free,
                 g.pools.cpu_top, gw, cw, gw.stride(0), gw.stride(1),
                 cw.stride(0), cw.stride(1), n, G, C, self.w1, self.s1, self.h1, p.n_super,
                 p.n_hyper, grid[0], NB=self.nb, RP=self.rp, L=gw.shape[0], RW=gw.shape[2],
                 HP=self.hp, HY=p.hyper, HYP2=_pow2(p.hyper), BP=_pow2(grid[0]),
                 CHUNK=self.CHUNK, SUB=self.SUB, **mode)
-        _launch(_k4_assign_translate, grid, addrs, status, victim,
+        _launch(_k4_assign_translate, grid, local, status, victim,
                 out if out is not None else status, g.loc, g.pools.cpu_top, *pol, *stamps,
                 n, N, G, self.w1, self.s1, self.h1, row_base, NB=self.nb, HY=p.hyper, **mode)
 

@@ -51,6 +51,7 @@ from .config import UlaCacheConfig
 from .errors import AddressError, CapacityExhausted, ShapeError, UlaCacheError
 from .group import COUNTERS, add_counts, new_claim_table
 from .health import CounterMonitor
+from .pblru import PBLRU
 from .pools import resolve_device
 from .space import AddressSpace
 
@@ -175,6 +176,14 @@ class TPAddressSpace:
         self.tp_counters = torch.zeros(len(groups), len(TP_COUNTERS), dtype=torch.int64,
                                        device=self.device)
         self._plans: list[_Plan | None] = [None] * len(groups)
+        # The fused path (access_path, ulacache.group): own access and gates in 4 + 4
+        # launches around the all-gather; None where the groups run the torch path.
+        self._gates = None
+        if self.groups[0].fused is not None and isinstance(self.buffers[0].policy, PBLRU):
+            from ulacache.kernels.fused_tp import FusedGates
+
+            self._gates = [FusedGates(b, G, self.rank, self.P) for b in self.buffers]
+        self._own: dict[int, torch.Tensor] = {}  # fused: this rank's rows per step size
         self.tp_health = CounterMonitor(self.tp_counters, TP_COUNTERS, TP_OVERFLOWS, _TP_WHAT,
                                         derive=buffer_used)
         logger.info("ulacache TP rank %d/%d: %d local positions of %d addresses, %d GPU + %d "
@@ -383,6 +392,8 @@ class TPAddressSpace:
         b = self.buffers[group]
         if not isinstance(addrs, torch.Tensor) or addrs.dim() != 2:
             raise ShapeError("plan: addrs must be an int tensor [bs, k]")
+        if self._gates is not None and not self.validate:  # production: no torch ops here
+            return self._plan_fused(group, addrs, out)
         flat, inrange, mine, lpos = self._split(addrs, "plan: addrs")
         shape = addrs.shape
         theirs = inrange & ~mine
@@ -403,6 +414,8 @@ class TPAddressSpace:
                         f"{self.buffer_slots} buffer slots are free or evictable this round; "
                         "buffer_slots must hold a step's distinct peer rows")
             self._agree(check)
+        if self._gates is not None:
+            return self._plan_fused(group, addrs, out)
         with self.stream.scope():
             # 1. own rows (promotions included), 2. exchange: also the data-ready fence
             own = g.access(lpos.view(shape)).reshape(-1)
@@ -433,6 +446,29 @@ class TPAddressSpace:
                 return rows.to(torch.int32)
             out.copy_(rows)
             return out
+
+    def _plan_fused(self, group: int, addrs: torch.Tensor, out: torch.Tensor | None
+                    ) -> torch.Tensor:
+        """:meth:`plan` on the fused path (checks done): own access over the global
+        addresses (4 launches), gates' claims (1), the all-gather, the gates (3)."""
+        g, gates = self.local.group(group), self._gates[group]
+        flat = self.local._addrs(addrs, "plan: addrs").reshape(-1).contiguous()
+        n = flat.numel()
+        if n not in self._own:
+            self._own[n] = torch.empty(n, dtype=torch.int32, device=self.device)
+        own = self._own[n]
+        rows = out if out is not None and out.is_contiguous() else \
+            torch.empty(addrs.shape, dtype=torch.int32, device=self.device)
+        with self.stream.scope():
+            g.fused.run(flat, place=False, out=own, stripe=(self.P, self.rank, self.n_logical))
+            gates.claim_first(flat)
+            table = self.peers.all_gather(own.view(addrs.shape)).reshape(self.P, -1)
+            plan = gates.run(flat, table, own, rows.view(-1), self.tp_counters[group])
+            self._plans[group] = _Plan(*plan)
+        if out is not None and rows is not out:
+            out.copy_(rows)
+            return out
+        return rows
 
     def load(self, layer: int) -> None:
         """Copy this layer's bytes of the group's planned peer rows into the buffer (one

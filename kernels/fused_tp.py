@@ -1,0 +1,209 @@
+"""TP mode's gates as one more fused stage: buffer hit / own / peer in four Triton launches.
+
+A TP rank's step over one group (:meth:`ulacache.tp.TPAddressSpace.plan`) with the fused
+path is: the rank's own access in four launches over the *global* addresses (the kernels of
+:mod:`ulacache.kernels.fused_access` with ``stripe``: this rank's addresses only), one
+all-gather of the owners' slot tables, then these four launches, which make the same decisions
+as the torch gates in ``tp.py`` (tests hold every table, plan entry, counter and byte equal):
+
+====  =====================================================================================
+G1    every in-range address claims its first position in the buffer's claim table
+G2    first occurrence (the first resets the claim); peers' rows already buffered are
+      touched (pinned this round); the rest whose owner served them want a buffer slot;
+      per-block counts of wants; counters (selected, own rows, buffer hits, peer missing)
+G3    rank of each want, its buffer slot (the buffer's PB-LRU victim order, same search as
+      K3), the evicted copy unmapped, the new copy mapped; the plan (owner rank, owner's
+      slot, buffer row) every layer's ``load`` copies; counters (fetches, overflow,
+      evictions)
+G4    the claimed slots assigned (turnover); the rows attention reads: own rows in place,
+      peers' rows at their buffer row, ``-1`` elsewhere
+====  =====================================================================================
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import fused_access as fa
+
+__all__ = ["FusedGates", "TP_COUNTER_COLUMNS"]
+
+TP_COUNTER_COLUMNS = {"selected": 0, "own_rows": 1, "buffer_hits": 2, "peer_fetches": 3,
+                      "peer_missing": 4, "buffer_overflow": 5, "buffer_evictions": 7}
+"""Columns of ``ulacache.tp.TP_COUNTERS`` the gates add to (a test holds them equal)."""
+
+if fa.triton is not None:
+    import triton
+    import triton.language as tl
+
+    from .fused_access import NO_CLAIM, _touch, _victim_order, _victims
+
+    _t = {name: tl.constexpr(col) for name, col in TP_COUNTER_COLUMNS.items()}
+    T_SELECTED, T_OWN, T_HITS, T_FETCHES = (_t["selected"], _t["own_rows"], _t["buffer_hits"],
+                                            _t["peer_fetches"])
+    T_MISSING, T_OVERFLOW, T_EVICTIONS = (_t["peer_missing"], _t["buffer_overflow"],
+                                          _t["buffer_evictions"])
+    WANT = tl.constexpr(1)
+
+    @triton.jit
+    def _g1_claim(addrs, claim, n, N, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        live = i < n
+        a = tl.load(addrs + i, mask=live, other=-1).to(tl.int64)
+        inrange = live & (a >= 0) & (a < N)
+        tl.atomic_min(claim + tl.where(inrange, a, N), i.to(tl.int64), mask=inrange,
+                      sem="relaxed")
+
+    @triton.jit
+    def _g2_first_hits(addrs, claim, table, slot_of, status, block_want, counters,
+                       bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr, epoch_ptr,
+                       entered, n, N, P, RANK, W1, S1, H1,
+                       NB: tl.constexpr, HY: tl.constexpr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        i = pid * BLOCK + tl.arange(0, BLOCK)
+        live = i < n
+        a = tl.load(addrs + i, mask=live, other=-1).to(tl.int64)
+        inrange = live & (a >= 0) & (a < N)
+        safe = tl.where(inrange, a, N)
+        first = inrange & (tl.load(claim + safe, mask=inrange, other=-1) == i)
+        tl.store(claim + safe, tl.full(safe.shape, NO_CLAIM, tl.int64), mask=first)
+        owner = tl.where(inrange, a % P, 0)
+        mine = inrange & (owner == RANK)
+        theirs = inrange & ~mine
+        bslot = tl.load(slot_of + safe, mask=theirs, other=-1).to(tl.int64)
+        hit = theirs & (bslot >= 0)
+        _touch(bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr, epoch_ptr,
+               entered, bslot, first & hit, W1, S1, H1, NB, HY, False)
+        oslot = tl.load(table + owner * n + i, mask=theirs, other=-1)
+        want = first & theirs & ~hit & (oslot >= 0)
+        tl.store(status + i, tl.where(want, WANT, 0), mask=live)
+        tl.store(block_want + pid, tl.sum(want.to(tl.int32)))
+        tl.atomic_add(counters + T_SELECTED, tl.sum(first.to(tl.int64)), sem="relaxed")
+        tl.atomic_add(counters + T_OWN, tl.sum((first & mine).to(tl.int64)), sem="relaxed")
+        tl.atomic_add(counters + T_HITS, tl.sum((first & hit).to(tl.int64)), sem="relaxed")
+        tl.atomic_add(counters + T_MISSING,
+                      tl.sum((first & theirs & ~hit & (oslot < 0)).to(tl.int64)), sem="relaxed")
+
+    @triton.jit
+    def _g3_claim_slots(addrs, table, status, block_want, victim_out, counters,
+                        bits, counts, supc, hypc, rowc, epoch_ptr, slot_of, holder,
+                        src_rank, src_slot, dst_row, n, G, B, P, W1, S1, H1, NS, NH,
+                        NB: tl.constexpr, RP: tl.constexpr, HP: tl.constexpr, HY: tl.constexpr,
+                        HYP2: tl.constexpr, BP: tl.constexpr, SUB: tl.constexpr,
+                        BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        b = tl.arange(0, BP)
+        run = tl.sum(tl.load(block_want + b, mask=b < pid, other=0))
+        epoch_t, tot, total, n_free = _victim_order(rowc, epoch_ptr, NB, RP)
+        for c in range(0, BLOCK, SUB):
+            i = pid * BLOCK + c + tl.arange(0, SUB)
+            live = i < n
+            want = (tl.load(status + i, mask=live, other=0) & WANT) != 0
+            rank = run + tl.cumsum(want.to(tl.int32), 0) - 1
+            run += tl.sum(want.to(tl.int32))
+            victim = _victims(rank, want, tot, total, epoch_t, bits, counts, supc, hypc, W1,
+                              S1, H1, NS, NH, NB, RP, HP, HY, HYP2, SUB)
+            ok = victim >= 0
+            vs = tl.where(ok, victim, B)
+            old = tl.load(holder + vs, mask=ok, other=-1)
+            evict = ok & (old >= 0)
+            a = tl.load(addrs + i, mask=live, other=-1).to(tl.int64)
+            # the evicted copy is unmapped, the new one mapped (disjoint addresses: a wanted
+            # address is not buffered)
+            tl.store(slot_of + tl.where(evict, old, 0), tl.full(old.shape, -1, tl.int32),
+                     mask=evict)
+            tl.store(slot_of + tl.where(ok, a, 0), victim.to(tl.int32), mask=ok)
+            tl.store(holder + vs, a, mask=ok)
+            owner = tl.where(ok, a % P, 0)
+            oslot = tl.load(table + owner * n + i, mask=ok, other=-1).to(tl.int64)
+            tl.store(src_rank + i, tl.where(ok, owner, -1), mask=live)
+            tl.store(src_slot + i, tl.where(ok, oslot, -1), mask=live)
+            tl.store(dst_row + i, tl.where(ok, G + 1 + victim, -1), mask=live)
+            tl.store(victim_out + i, victim, mask=live)
+            tl.atomic_add(counters + T_FETCHES, tl.sum(ok.to(tl.int64)), sem="relaxed")
+            tl.atomic_add(counters + T_OVERFLOW, tl.sum((want & ~ok).to(tl.int64)),
+                          sem="relaxed")
+            tl.atomic_add(counters + T_EVICTIONS, tl.sum(evict.to(tl.int64)), sem="relaxed")
+
+    @triton.jit
+    def _g4_assign_rows(addrs, own, victim_in, out, slot_of,
+                        bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr,
+                        epoch_ptr, entered, n, N, G, P, RANK, W1, S1, H1,
+                        NB: tl.constexpr, HY: tl.constexpr, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        live = i < n
+        victim = tl.load(victim_in + i, mask=live, other=-1)
+        _touch(bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr, epoch_ptr,
+               entered, victim, victim >= 0, W1, S1, H1, NB, HY, True)
+        a = tl.load(addrs + i, mask=live, other=-1).to(tl.int64)
+        inrange = live & (a >= 0) & (a < N)
+        mine = inrange & (a % P == RANK)
+        theirs = inrange & ~mine
+        mine_row = tl.load(own + i, mask=mine, other=-1).to(tl.int64)
+        bslot = tl.load(slot_of + tl.where(theirs, a, N), mask=theirs, other=-1).to(tl.int64)
+        row = tl.where(mine, mine_row, tl.where(theirs & (bslot >= 0), G + 1 + bslot, -1))
+        tl.store(out + i, row.to(tl.int32), mask=live)
+
+
+class FusedGates:
+    """The gates of one TP group's :class:`ulacache.buffer.LocalBuffer` (PB-LRU policy)."""
+
+    BLOCK, SUB = fa.FusedAccess.BLOCK, fa.FusedAccess.SUB
+
+    def __init__(self, buffer, gpu_slots: int, rank: int, size: int) -> None:
+        if fa.triton is None:
+            raise RuntimeError("the fused TP gates need Triton (pip install triton)")
+        self.b, self.G, self.rank, self.P = buffer, gpu_slots, rank, size
+        p = buffer.policy
+        self.nb, self.hy = p.n_buckets, p.hyper
+        self.w1, self.s1, self.h1 = p.n_words + 16, p.n_super + 1, p.n_hyper + 1
+        self._scratch: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def scratch(self, n: int) -> tuple[torch.Tensor, ...]:
+        """(status int32 [n], victim int64 [n], per-block wants int32, plan: src_rank,
+        src_slot, dst_row int64 [n]); the plan tensors are stable across steps."""
+        if n not in self._scratch:
+            dev = self.b.device
+            blocks = max(1, -(-n // self.BLOCK))
+            self._scratch[n] = (torch.empty(n, dtype=torch.int32, device=dev),
+                                torch.empty(n, dtype=torch.int64, device=dev),
+                                torch.empty(blocks, dtype=torch.int32, device=dev),
+                                *(torch.empty(n, dtype=torch.int64, device=dev)
+                                  for _ in range(3)))
+        return self._scratch[n]
+
+    def claim_first(self, addrs: torch.Tensor) -> None:
+        """G1 (needs nothing from the peers: issue it before the all-gather)."""
+        n = addrs.numel()
+        if n:
+            fa._launch(_g1_claim, (-(-n // self.BLOCK),), addrs, self.b._claim, n,
+                       self.b.n_logical, BLOCK=self.BLOCK)
+
+    def run(self, addrs: torch.Tensor, table: torch.Tensor, own: torch.Tensor,
+            out: torch.Tensor, counters: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """G2..G4 (after :meth:`claim_first` and the all-gather). ``addrs``: flat global
+        ``int32|int64 [n]``; ``table``: ``int32 [P, n]`` owners' rows; ``own``: this rank's
+        ``int32 [n]``; ``out``: ``int32 [n]``. Returns the plan (src_rank, src_slot,
+        dst_row)."""
+        b, p = self.b, self.b.policy
+        n = addrs.numel()
+        status, victim, block_want, *plan = self.scratch(n)
+        if n == 0:
+            return tuple(plan)
+        grid = (block_want.numel(),)
+        pol = (p.bits, p.counts, p.super_counts, p.hyper_counts, p.row_counts)
+        stamps = (p.round_of, p.epoch_of, p.round_t, p.epoch_t, p.entered)
+        N = b.n_logical
+        fa._launch(_g2_first_hits, grid, addrs, b._claim, table, b.slot_of, status, block_want,
+                   counters, *pol, *stamps, n, N, self.P, self.rank, self.w1, self.s1,
+                   self.h1, NB=self.nb, HY=self.hy, BLOCK=self.BLOCK)
+        fa._launch(_g3_claim_slots, grid, addrs, table, status, block_want, victim, counters,
+                   *pol, p.epoch_t, b.slot_of, b.holder, *plan, n, self.G, b.n_slots, self.P,
+                   self.w1, self.s1, self.h1, p.n_super, p.n_hyper, NB=self.nb,
+                   RP=fa._pow2(self.nb + 2), HP=fa._pow2(p.n_hyper), HY=self.hy,
+                   HYP2=fa._pow2(self.hy), BP=fa._pow2(grid[0]), SUB=self.SUB,
+                   BLOCK=self.BLOCK)
+        fa._launch(_g4_assign_rows, grid, addrs, own, victim, out, b.slot_of, *pol, *stamps,
+                   n, N, self.G, self.P, self.rank, self.w1, self.s1, self.h1, NB=self.nb,
+                   HY=self.hy, BLOCK=self.BLOCK)
+        return tuple(plan)
