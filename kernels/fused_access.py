@@ -201,7 +201,7 @@ if triton is not None:
         tl.store(status + i, keep.to(tl.int32), mask=live)
 
     @triton.jit
-    def _k2_first_touch(local, claim, phys_in, status, block_want, counters,
+    def _k2_first_touch(local, claim, phys_in, status, block_want, victim_out, counters,
                         bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr,
                         epoch_ptr, entered, n, N, G, W1, S1, H1,
                         PLACE: tl.constexpr, NB: tl.constexpr, HY: tl.constexpr,
@@ -232,6 +232,7 @@ if triton is not None:
         st = st | tl.where(first, FIRST, 0) | tl.where(want, WANT, 0)
         tl.store(status + i, st, mask=live)
         tl.store(block_want + pid, tl.sum(want.to(tl.int32)))
+        tl.store(victim_out + i, tl.full(a.shape, -1, tl.int64), mask=live)  # K3: wants only
 
     @triton.jit
     def _victim_row(j, epoch_t, NB: tl.constexpr):
@@ -304,59 +305,63 @@ if triton is not None:
             want = (st & WANT) != 0
             rank = run + tl.cumsum(want.to(tl.int32), 0) - 1
             run += tl.sum(want.to(tl.int32))
-            victim = _victims(rank, want, tot, total, epoch_t, bits, counts, supc, hypc, W1,
-                              S1, H1, NS, NH, NB, RP, HP, HY, HYP2, SUB)
-            ok = victim >= 0
-            vs = tl.where(ok, victim, G)
-            owner = tl.load(gpu_owner + vs, mask=ok, other=-1)
-            occupied = ok & (owner >= 0)
-            a = tl.load(local + i, mask=live, other=-1)
-            if PLACE:
-                # an occupied victim is spilled to a popped CPU slot (pop order = rank order)
-                pos = top - 1 - (rank - n_free)
-                moved = occupied & (pos >= 0)
-                cslot = tl.load(cpu_free + tl.where(moved, pos, 0), mask=moved, other=C)
-                ok = ok & (~occupied | moved)
-                victim = tl.where(ok, victim, -1)
-            else:
-                cslot = tl.where(ok, tl.load(phys_in + i, mask=ok, other=G) - G, C)
-                moved = ok & ~occupied  # the vacated CPU slot goes back to the free stack
-            # -- data first: every layer of the group -----------------------------------------
-            for layer in range(L):
-                for c0 in range(0, RW, CHUNK):
-                    cc = c0 + tl.arange(0, CHUNK)[None, :]
-                    cm = cc < RW
-                    gp = gpu_pool + layer * g_sl + vs[:, None] * g_sr + cc
-                    cp = cpu_pool + layer * c_sl + cslot[:, None] * c_sr + cc
-                    if PLACE:
-                        tl.store(cp, tl.load(gp, mask=moved[:, None] & cm),
-                                 mask=moved[:, None] & cm)
-                    else:  # swap, or a single copy into a free victim slot
-                        out_row = tl.load(gp, mask=occupied[:, None] & cm)
-                        in_row = tl.load(cp, mask=ok[:, None] & cm)
-                        tl.store(gp, in_row, mask=ok[:, None] & cm)
-                        tl.store(cp, out_row, mask=occupied[:, None] & cm)
-            # -- then the mapping -------------------------------------------------------------
-            if PLACE:
-                tl.store(loc + tl.where(moved, owner, 0), G + cslot, mask=moved)
-                tl.store(cpu_owner + cslot, owner, mask=moved)
-                tl.atomic_add(counters + C_PLACED, tl.sum(ok.to(tl.int64)), sem="relaxed")
-                tl.atomic_add(counters + C_SPILLS, tl.sum(moved.to(tl.int64)), sem="relaxed")
-                tl.atomic_add(counters + C_PLACE_OVERFLOW, tl.sum((want & ~ok).to(tl.int64)),
-                              sem="relaxed")
-            else:
-                tl.store(loc + tl.where(occupied, owner, 0), G + cslot, mask=occupied)
-                tl.store(cpu_owner + cslot, tl.where(occupied, owner, -1), mask=ok)
-                tl.store(cpu_free + top + rank, cslot, mask=moved)
-                tl.atomic_add(counters + C_PROMOTIONS, tl.sum(ok.to(tl.int64)), sem="relaxed")
-                tl.atomic_add(counters + C_WRITEBACKS, tl.sum(occupied.to(tl.int64)),
-                              sem="relaxed")
-                tl.atomic_add(counters + C_ACCESS_OVERFLOW, tl.sum((want & ~ok).to(tl.int64)),
-                              sem="relaxed")
-            tl.store(loc + tl.where(ok, a, 0), victim, mask=ok)
-            tl.store(gpu_owner + vs, a, mask=ok)
-            tl.store(victim_out + i, victim, mask=live)
-            tl.store(status + i, st | tl.where(moved, MOVED, 0), mask=live)
+            if tl.sum(want.to(tl.int32)) > 0:  # sub-blocks of hits only: nothing to do
+                victim = _victims(rank, want, tot, total, epoch_t, bits, counts, supc, hypc, W1,
+                                  S1, H1, NS, NH, NB, RP, HP, HY, HYP2, SUB)
+                ok = victim >= 0
+                vs = tl.where(ok, victim, G)
+                owner = tl.load(gpu_owner + vs, mask=ok, other=-1)
+                occupied = ok & (owner >= 0)
+                a = tl.load(local + i, mask=live, other=-1)
+                if PLACE:
+                    # an occupied victim spills to a popped CPU slot (pop order = rank order)
+                    pos = top - 1 - (rank - n_free)
+                    moved = occupied & (pos >= 0)
+                    cslot = tl.load(cpu_free + tl.where(moved, pos, 0), mask=moved,
+                                    other=C)
+                    ok = ok & (~occupied | moved)
+                    victim = tl.where(ok, victim, -1)
+                else:
+                    cslot = tl.where(ok, tl.load(phys_in + i, mask=ok, other=G) - G, C)
+                    moved = ok & ~occupied  # the vacated CPU slot goes back to the stack
+                # -- data first: every layer of the group
+                for layer in range(L):
+                    for c0 in range(0, RW, CHUNK):
+                        cc = c0 + tl.arange(0, CHUNK)[None, :]
+                        cm = cc < RW
+                        gp = gpu_pool + layer * g_sl + vs[:, None] * g_sr + cc
+                        cp = cpu_pool + layer * c_sl + cslot[:, None] * c_sr + cc
+                        if PLACE:
+                            tl.store(cp, tl.load(gp, mask=moved[:, None] & cm),
+                                     mask=moved[:, None] & cm)
+                        else:  # swap, or a single copy into a free victim slot
+                            out_row = tl.load(gp, mask=occupied[:, None] & cm)
+                            in_row = tl.load(cp, mask=ok[:, None] & cm)
+                            tl.store(gp, in_row, mask=ok[:, None] & cm)
+                            tl.store(cp, out_row, mask=occupied[:, None] & cm)
+                # -- then the mapping
+                if PLACE:
+                    tl.store(loc + tl.where(moved, owner, 0), G + cslot, mask=moved)
+                    tl.store(cpu_owner + cslot, owner, mask=moved)
+                    tl.atomic_add(counters + C_PLACED, tl.sum(ok.to(tl.int64)), sem="relaxed")
+                    tl.atomic_add(counters + C_SPILLS, tl.sum(moved.to(tl.int64)),
+                                  sem="relaxed")
+                    tl.atomic_add(counters + C_PLACE_OVERFLOW,
+                                  tl.sum((want & ~ok).to(tl.int64)), sem="relaxed")
+                else:
+                    tl.store(loc + tl.where(occupied, owner, 0), G + cslot, mask=occupied)
+                    tl.store(cpu_owner + cslot, tl.where(occupied, owner, -1), mask=ok)
+                    tl.store(cpu_free + top + rank, cslot, mask=moved)
+                    tl.atomic_add(counters + C_PROMOTIONS, tl.sum(ok.to(tl.int64)),
+                                  sem="relaxed")
+                    tl.atomic_add(counters + C_WRITEBACKS, tl.sum(occupied.to(tl.int64)),
+                                  sem="relaxed")
+                    tl.atomic_add(counters + C_ACCESS_OVERFLOW,
+                                  tl.sum((want & ~ok).to(tl.int64)), sem="relaxed")
+                tl.store(loc + tl.where(ok, a, 0), victim, mask=ok)
+                tl.store(gpu_owner + vs, a, mask=ok)
+                tl.store(victim_out + i, victim, mask=want)
+                tl.store(status + i, st | MOVED, mask=moved)
 
     @triton.jit
     def _k4_assign_translate(local, status, victim_in, out, loc, cpu_top,
@@ -475,7 +480,8 @@ class FusedAccess:
         mode = dict(PLACE=place, BLOCK=self.BLOCK)
         _launch(_k1_claim, grid, addrs, local, g.loc, g._claim, phys, status, g.counters, n, N,
                 n_global, rank, TPP=P, **mode)
-        _launch(_k2_first_touch, grid, local, g._claim, phys, status, block_want, g.counters,
+        _launch(_k2_first_touch, grid, local, g._claim, phys, status, block_want, victim,
+                g.counters,
                 *pol, *stamps, n, N, G, self.w1, self.s1, self.h1, NB=self.nb, HY=p.hyper,
                 **mode)
         gw, cw = self.gpu_words, self.cpu_words

@@ -34,8 +34,9 @@ _DTYPES = {torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int
 
 def record_launches(n_layers: int = 2, gpu_slots: int = 4096, row_bytes: int = 656,
                     shape: tuple[int, int] = (8, 256)) -> list[tuple]:
-    """The (kernel, args, meta) of one fused access, one placement and one translate on a
-    CPU group of this geometry, recorded instead of launched."""
+    """The (kernel, args, meta) of one fused access, one placement, one translate, one TP8
+    rank's own access and its gates on a CPU group of this geometry, recorded instead of
+    launched."""
     from ulacache.group import SelectionGroup
 
     from . import fused_access as fa
@@ -54,6 +55,18 @@ def record_launches(n_layers: int = 2, gpu_slots: int = 4096, row_bytes: int = 6
         fused.run(addrs, place=False, out=torch.empty(addrs.shape, dtype=torch.int32))
         fused.run(addrs, place=True, victim_out=torch.empty(addrs.shape, dtype=torch.int64))
         fused.translate(addrs.to(torch.int32), torch.empty(addrs.shape, dtype=torch.int32))
+        fused.run(addrs, place=False, out=torch.empty(addrs.shape, dtype=torch.int32),
+                  stripe=(8, 3, gpu_slots * 32))  # a TP8 rank's own access
+        from ulacache.buffer import LocalBuffer
+
+        from .fused_tp import FusedGates
+
+        buffer = LocalBuffer(gpu_slots * 32, gpu_slots, torch.device("cpu"))
+        gates = FusedGates(buffer, gpu_slots, 3, 8)
+        own = torch.empty(addrs.shape, dtype=torch.int32)
+        gates.claim_first(addrs)
+        gates.run(addrs, torch.empty(8, addrs.numel(), dtype=torch.int32), own,
+                  torch.empty(addrs.shape, dtype=torch.int32), torch.zeros(9, dtype=torch.int64))
     finally:
         fa._launch = saved
     return calls

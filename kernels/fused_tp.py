@@ -55,7 +55,8 @@ if fa.triton is not None:
                       sem="relaxed")
 
     @triton.jit
-    def _g2_first_hits(addrs, claim, table, slot_of, status, block_want, counters,
+    def _g2_first_hits(addrs, claim, table, slot_of, status, block_want, victim_out, src_rank,
+                       src_slot, dst_row, counters,
                        bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr, epoch_ptr,
                        entered, n, N, P, RANK, W1, S1, H1,
                        NB: tl.constexpr, HY: tl.constexpr, BLOCK: tl.constexpr):
@@ -78,6 +79,11 @@ if fa.triton is not None:
         want = first & theirs & ~hit & (oslot >= 0)
         tl.store(status + i, tl.where(want, WANT, 0), mask=live)
         tl.store(block_want + pid, tl.sum(want.to(tl.int32)))
+        none = tl.full(a.shape, -1, tl.int64)  # defaults; G3 writes its wants' entries only
+        tl.store(victim_out + i, none, mask=live)
+        tl.store(src_rank + i, none, mask=live)
+        tl.store(src_slot + i, none, mask=live)
+        tl.store(dst_row + i, none, mask=live)
         tl.atomic_add(counters + T_SELECTED, tl.sum(first.to(tl.int64)), sem="relaxed")
         tl.atomic_add(counters + T_OWN, tl.sum((first & mine).to(tl.int64)), sem="relaxed")
         tl.atomic_add(counters + T_HITS, tl.sum((first & hit).to(tl.int64)), sem="relaxed")
@@ -101,29 +107,30 @@ if fa.triton is not None:
             want = (tl.load(status + i, mask=live, other=0) & WANT) != 0
             rank = run + tl.cumsum(want.to(tl.int32), 0) - 1
             run += tl.sum(want.to(tl.int32))
-            victim = _victims(rank, want, tot, total, epoch_t, bits, counts, supc, hypc, W1,
-                              S1, H1, NS, NH, NB, RP, HP, HY, HYP2, SUB)
-            ok = victim >= 0
-            vs = tl.where(ok, victim, B)
-            old = tl.load(holder + vs, mask=ok, other=-1)
-            evict = ok & (old >= 0)
-            a = tl.load(addrs + i, mask=live, other=-1).to(tl.int64)
-            # the evicted copy is unmapped, the new one mapped (disjoint addresses: a wanted
-            # address is not buffered)
-            tl.store(slot_of + tl.where(evict, old, 0), tl.full(old.shape, -1, tl.int32),
-                     mask=evict)
-            tl.store(slot_of + tl.where(ok, a, 0), victim.to(tl.int32), mask=ok)
-            tl.store(holder + vs, a, mask=ok)
-            owner = tl.where(ok, a % P, 0)
-            oslot = tl.load(table + owner * n + i, mask=ok, other=-1).to(tl.int64)
-            tl.store(src_rank + i, tl.where(ok, owner, -1), mask=live)
-            tl.store(src_slot + i, tl.where(ok, oslot, -1), mask=live)
-            tl.store(dst_row + i, tl.where(ok, G + 1 + victim, -1), mask=live)
-            tl.store(victim_out + i, victim, mask=live)
-            tl.atomic_add(counters + T_FETCHES, tl.sum(ok.to(tl.int64)), sem="relaxed")
-            tl.atomic_add(counters + T_OVERFLOW, tl.sum((want & ~ok).to(tl.int64)),
-                          sem="relaxed")
-            tl.atomic_add(counters + T_EVICTIONS, tl.sum(evict.to(tl.int64)), sem="relaxed")
+            if tl.sum(want.to(tl.int32)) > 0:
+                victim = _victims(rank, want, tot, total, epoch_t, bits, counts, supc, hypc, W1,
+                                  S1, H1, NS, NH, NB, RP, HP, HY, HYP2, SUB)
+                ok = victim >= 0
+                vs = tl.where(ok, victim, B)
+                old = tl.load(holder + vs, mask=ok, other=-1)
+                evict = ok & (old >= 0)
+                a = tl.load(addrs + i, mask=live, other=-1).to(tl.int64)
+                # the evicted copy is unmapped, the new one mapped (disjoint addresses: a wanted
+                # address is not buffered)
+                tl.store(slot_of + tl.where(evict, old, 0), tl.full(old.shape, -1, tl.int32),
+                         mask=evict)
+                tl.store(slot_of + tl.where(ok, a, 0), victim.to(tl.int32), mask=ok)
+                tl.store(holder + vs, a, mask=ok)
+                owner = tl.where(ok, a % P, 0)
+                oslot = tl.load(table + owner * n + i, mask=ok, other=-1).to(tl.int64)
+                tl.store(src_rank + i, tl.where(ok, owner, -1), mask=want)
+                tl.store(src_slot + i, tl.where(ok, oslot, -1), mask=want)
+                tl.store(dst_row + i, tl.where(ok, G + 1 + victim, -1), mask=want)
+                tl.store(victim_out + i, victim, mask=want)
+                tl.atomic_add(counters + T_FETCHES, tl.sum(ok.to(tl.int64)), sem="relaxed")
+                tl.atomic_add(counters + T_OVERFLOW, tl.sum((want & ~ok).to(tl.int64)),
+                              sem="relaxed")
+                tl.atomic_add(counters + T_EVICTIONS, tl.sum(evict.to(tl.int64)), sem="relaxed")
 
     @triton.jit
     def _g4_assign_rows(addrs, own, victim_in, out, slot_of,
@@ -195,8 +202,8 @@ class FusedGates:
         stamps = (p.round_of, p.epoch_of, p.round_t, p.epoch_t, p.entered)
         N = b.n_logical
         fa._launch(_g2_first_hits, grid, addrs, b._claim, table, b.slot_of, status, block_want,
-                   counters, *pol, *stamps, n, N, self.P, self.rank, self.w1, self.s1,
-                   self.h1, NB=self.nb, HY=self.hy, BLOCK=self.BLOCK)
+                   victim, *plan, counters, *pol, *stamps, n, N, self.P, self.rank, self.w1,
+                   self.s1, self.h1, NB=self.nb, HY=self.hy, BLOCK=self.BLOCK)
         fa._launch(_g3_claim_slots, grid, addrs, table, status, block_want, victim, counters,
                    *pol, p.epoch_t, b.slot_of, b.holder, *plan, n, self.G, b.n_slots, self.P,
                    self.w1, self.s1, self.h1, p.n_super, p.n_hyper, NB=self.nb,

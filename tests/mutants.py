@@ -3,6 +3,7 @@
     python tests/mutants.py            # ~15 min on 2 cores; prints one line per mutant
     python tests/mutants.py tp         # only the TP-mode mutants (tests/test_tp.py)
     python tests/mutants.py fused      # only the fused-kernel mutants (test_fused_access.py)
+    python tests/mutants.py fused_tp   # the fused TP gates (test_fused_tp.py)
 
 Copies the repository to a temporary directory, applies each mutant below (one line of the core
 changed the way a tired engineer might), runs the core tests there twice with the derandomized
@@ -125,6 +126,22 @@ FUSED_MUTANTS = [  # the fused kernels, checked against the torch path by test_f
      "rows = tl.where(keep & (rows >= 0), rows + row_base, -1)",
      "fused: CPU slots returned as GPU rows"),
 ]
+FT = "kernels/fused_tp.py"
+FUSED_TP_TESTS = ["tests/test_fused_tp.py", "-k", "every_operation"]
+FUSED_TP_MUTANTS = [  # the fused TP gates and the striped own access, vs the torch TP path
+    (F, "mine = striped & (raw % TPP == RANK)", "mine = striped & (raw % TPP <= RANK)",
+     "fused TP: ownership test widened"),
+    (FT, "want = first & theirs & ~hit & (oslot >= 0)", "want = first & theirs & ~hit",
+     "fused TP: a fetch of a row its owner could not serve"),
+    (FT, "entered, bslot, first & hit, W1, S1, H1, NB, HY, False)",
+     "entered, bslot, first & hit & (bslot < 0), W1, S1, H1, NB, HY, False)",
+     "fused TP: buffer hits not pinned"),
+    (FT, "tl.store(slot_of + tl.where(evict, old, 0), tl.full(old.shape, -1, tl.int32),",
+     "tl.store(slot_of + tl.where(evict, old, 0), tl.full(old.shape, 0, tl.int32),",
+     "fused TP: an evicted copy stays mapped (to slot 0)"),
+    (FT, "tl.where(theirs & (bslot >= 0), G + 1 + bslot, -1))",
+     "tl.where(theirs & (bslot >= 0), G + bslot, -1))", "fused TP: buffer rows off by one"),
+]
 # Not listed: equivalent mutants (no observable change), e.g. PBLRU.touch moving a slot that is
 # already in the current bucket to the current bucket again (the bit and count moves cancel).
 
@@ -147,7 +164,8 @@ def main() -> int:
         env = {**os.environ, "PYTHONPATH": str(copy)}
         suites = {"core": [(*m, TESTS) for m in MUTANTS],
                   "tp": [(*m, TP_TESTS) for m in TP_MUTANTS],
-                  "fused": [(*m, FUSED_TESTS) for m in FUSED_MUTANTS]}
+                  "fused": [(*m, FUSED_TESTS) for m in FUSED_MUTANTS],
+                  "fused_tp": [(*m, FUSED_TP_TESTS) for m in FUSED_TP_MUTANTS]}
         chosen = sys.argv[1:] or list(suites)
         if set(chosen) - set(suites):
             print(f"usage: python tests/mutants.py [{' | '.join(suites)}] ...")

@@ -129,5 +129,5 @@ def test_tp_fused_decode_equals_resident():
     every step)."""
     geom = ModelGeometry.tiny(layout="fp8", layers_per_indexer=2)
     cfg = tp_config(geom, 2, access_path="fused")
-    reports = run_ranks(2, lambda peers: run_equality(geom, cfg, PROMPTS, 12, peers=peers))
-    assert_busy_equal(reports, 2, 12, (sum(PROMPTS) + 4 * 12) / 2)
+    reports = run_ranks(2, lambda peers: run_equality(geom, cfg, PROMPTS, 6, peers=peers))
+    assert_busy_equal(reports, 2, 6, (sum(PROMPTS) + 4 * 6) / 2)
