@@ -10,8 +10,9 @@ changed the way a tired engineer might), runs the core tests there twice with th
 Hypothesis examples (shrinking off: a failure is all that matters), and reports whether both runs
 failed. Not collected by pytest (the file name does not start with ``test_``).
 
-Last run (2026-12-01, after the shared claim table): all 29 mutants (20 core, 9 TP) caught,
-each by both runs.
+Last runs (2026-12-01): all 29 core and TP mutants (20 core, 9 TP) caught, each by both runs
+(after the shared claim table); all 22 fused-path mutants (17 kernels, 5 TP gates) caught, each
+by both runs (after the fused TP gates).
 """
 
 from __future__ import annotations
