@@ -105,7 +105,8 @@ class TwinDriver:
             addrs = torch.full((bs, k), -1, dtype=torch.int64)
         else:
             addrs = live[self._rand(live.numel(), bs * k)].view(bs, k)
-        addrs[self._rand(bs, 1), :] = -1 if bs > 1 else addrs[0]  # an empty row
+        if bs > 1:
+            addrs[self._rand(bs, 1), :] = -1  # an empty row
         pad = self._rand(2, bs * k).view(bs, k).bool() & (self._rand(4, bs * k).view(bs, k) == 0)
         addrs[pad] = -1
         if hostile:

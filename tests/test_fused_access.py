@@ -14,6 +14,14 @@ import torch
 
 pytest.importorskip("triton")
 
+from hypothesis import settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.stateful import (  # noqa: E402
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    rule,
+)
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from tests.fused_helpers import TwinDriver, assert_same, make_twins  # noqa: E402
@@ -96,6 +104,43 @@ def test_placement_when_the_cpu_tier_runs_dry():
     assert c["spills"] == 20 and c["place_overflow"] > 0
     assert c["placed"] - c["spills"] == 16
     ref.check_integrity()
+
+
+class FusedTwinMachine(RuleBasedStateMachine):
+    """Hypothesis chooses the operations (rounds, placements, accesses, releases, hostile or
+    not, batch and top-k) on twin groups; every operation compares the two paths in full."""
+
+    @initialize(geometry=st.sampled_from(GEOMETRIES[1:]), seed=st.integers(0, 2**16))
+    def setup(self, geometry, seed):
+        layers, G, C, rb, nb = geometry
+        self.ref, self.fused = make_twins(layers, 300, G, C, rb, nb)
+        self.d = TwinDriver(self.ref, self.fused, seed)
+
+    @rule()
+    def new_round(self):
+        self.d.advance()
+
+    @rule(n=st.integers(1, 40), hostile=st.booleans())
+    def place(self, n, hostile):
+        self.d.place(n, hostile)
+
+    @rule(bs=st.integers(1, 4), k=st.integers(1, 48), hostile=st.booleans(),
+          wide=st.booleans())
+    def access(self, bs, k, hostile, wide):
+        self.d.access(bs, k, hostile, torch.int64 if wide else torch.int32)
+
+    @rule(n=st.integers(1, 12), hostile=st.booleans())
+    def release(self, n, hostile):
+        self.d.release(n, hostile)
+
+    @invariant()
+    def both_intact(self):
+        self.ref.check_integrity()
+        self.fused.check_integrity()
+
+
+TestFusedTwinMachine = FusedTwinMachine.TestCase
+TestFusedTwinMachine.settings = settings(max_examples=20, stateful_step_count=20, deadline=None)
 
 
 def test_victims_from_every_source_in_order():
