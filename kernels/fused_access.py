@@ -414,6 +414,28 @@ def _word_view(pool: torch.Tensor) -> torch.Tensor:
     return pool
 
 
+class Scratch:
+    """Per-call scratch: one tensor per entry of each dtype given, plus per-block ``int32``
+    counts, grown to the largest call seen (power-of-two capacity) and viewed to ``n``. Memory
+    stays bounded however call sizes vary (prefill page tables differ per request); a CUDA
+    graph captures views of tensors allocated before it (warm up with the largest size)."""
+
+    def __init__(self, device: torch.device, dtypes: list[torch.dtype], block: int):
+        self.device, self.dtypes, self.block = device, dtypes, block
+        self.cap = 0
+        self.tensors: tuple[torch.Tensor, ...] = ()
+
+    def get(self, n: int) -> tuple[torch.Tensor, ...]:
+        if n > self.cap or not self.tensors:
+            self.cap = _pow2(max(n, 2 * self.cap, self.block))
+            self.tensors = (*(torch.empty(self.cap, dtype=d, device=self.device)
+                              for d in self.dtypes),
+                            torch.empty(self.cap // self.block, dtype=torch.int32,
+                                        device=self.device))
+        *per_entry, blocks = self.tensors
+        return (*(t[:n] for t in per_entry), blocks)
+
+
 class FusedAccess:
     """The fused kernels bound to one :class:`ulacache.group.SelectionGroup` (PB-LRU policy).
 
@@ -434,7 +456,8 @@ class FusedAccess:
         self.w1, self.s1, self.h1 = p.n_words + 16, p.n_super + 1, p.n_hyper + 1
         self.rp = _pow2(p.n_buckets + 2)
         self.hp = _pow2(p.n_hyper)
-        self._scratch: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._scratch = Scratch(group.device, [torch.int64, torch.int64, torch.int32,
+                                               torch.int64], self.BLOCK)
         self.gpu_words = _word_view(group.pools.gpu)
         self.cpu_words = _word_view(group.pools.cpu)
         if self.gpu_words.dtype != self.cpu_words.dtype:  # one element type per copy loop
@@ -442,16 +465,8 @@ class FusedAccess:
 
     def scratch(self, n: int) -> tuple[torch.Tensor, ...]:
         """(local address int64 [n], phys int64 [n], status int32 [n], victim int64 [n],
-        per-block wants int32)."""
-        if n not in self._scratch:
-            dev = self.g.device
-            blocks = max(1, -(-n // self.BLOCK))
-            self._scratch[n] = (torch.empty(n, dtype=torch.int64, device=dev),
-                                torch.empty(n, dtype=torch.int64, device=dev),
-                                torch.empty(n, dtype=torch.int32, device=dev),
-                                torch.empty(n, dtype=torch.int64, device=dev),
-                                torch.empty(blocks, dtype=torch.int32, device=dev))
-        return self._scratch[n]
+        per-block wants int32 [>= blocks])."""
+        return self._scratch.get(n)
 
     def _policy_args(self):
         p = self.g.policy
@@ -473,7 +488,7 @@ class FusedAccess:
         local, phys, status, victim, block_want = self.scratch(n)
         if victim_out is not None:
             victim = victim_out
-        grid = (block_want.numel(),)
+        grid = (-(-n // self.BLOCK),)
         N, G, C = g.n_logical, g.gpu_slots, g.cpu_slots
         pol = self._policy_args()
         stamps = (p.round_of, p.epoch_of, p.round_t, p.epoch_t, p.entered)

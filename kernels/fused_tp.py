@@ -164,20 +164,13 @@ class FusedGates:
         p = buffer.policy
         self.nb, self.hy = p.n_buckets, p.hyper
         self.w1, self.s1, self.h1 = p.n_words + 16, p.n_super + 1, p.n_hyper + 1
-        self._scratch: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._scratch = fa.Scratch(buffer.device, [torch.int32] + [torch.int64] * 4,
+                                   self.BLOCK)
 
     def scratch(self, n: int) -> tuple[torch.Tensor, ...]:
-        """(status int32 [n], victim int64 [n], per-block wants int32, plan: src_rank,
-        src_slot, dst_row int64 [n]); the plan tensors are stable across steps."""
-        if n not in self._scratch:
-            dev = self.b.device
-            blocks = max(1, -(-n // self.BLOCK))
-            self._scratch[n] = (torch.empty(n, dtype=torch.int32, device=dev),
-                                torch.empty(n, dtype=torch.int64, device=dev),
-                                torch.empty(blocks, dtype=torch.int32, device=dev),
-                                *(torch.empty(n, dtype=torch.int64, device=dev)
-                                  for _ in range(3)))
-        return self._scratch[n]
+        """(status int32 [n], victim int64 [n], plan: src_rank, src_slot, dst_row int64 [n],
+        per-block wants int32); the plan views stay valid until the next call."""
+        return self._scratch.get(n)
 
     def claim_first(self, addrs: torch.Tensor) -> None:
         """G1 (needs nothing from the peers: issue it before the all-gather)."""
@@ -194,10 +187,10 @@ class FusedGates:
         dst_row)."""
         b, p = self.b, self.b.policy
         n = addrs.numel()
-        status, victim, block_want, *plan = self.scratch(n)
+        status, victim, *plan, block_want = self.scratch(n)
         if n == 0:
             return tuple(plan)
-        grid = (block_want.numel(),)
+        grid = (-(-n // self.BLOCK),)
         pol = (p.bits, p.counts, p.super_counts, p.hyper_counts, p.row_counts)
         stamps = (p.round_of, p.epoch_of, p.round_t, p.epoch_t, p.entered)
         N = b.n_logical

@@ -227,7 +227,7 @@ class _DeviceOps(TorchDispatchMode):
     not device work)."""
 
     FREE = ("view", "_reshape_alias", "reshape", "alias", "empty", "detach", "as_strided",
-            "_unsafe_view")
+            "_unsafe_view", "slice")
 
     def __init__(self):
         super().__init__()
@@ -259,6 +259,21 @@ def test_one_access_is_four_launches_and_nothing_else(shape):
     before = fused_access.launch_count()
     fused.place(torch.arange(1500, 1500 + shape[1]))
     assert fused_access.launch_count() - before == 4
+
+
+def test_scratch_is_bounded_by_the_largest_call():
+    """Call sizes vary (prefill page tables differ per request): scratch grows to the largest
+    call (power-of-two capacity) and smaller calls use views of it, with identical results."""
+    ref, fused = make_twins(1, 600, 64, 600, 16, 4)
+    d = TwinDriver(ref, fused, 4)
+    for _ in range(4):
+        d.advance()
+        d.place(60, hostile=False)
+    for bs, k in [(1, 5), (3, 100), (1, 7), (2, 60)]:
+        d.advance()
+        d.access(bs, k, hostile=False)
+    assert fused.fused._scratch.cap == 512
+    assert all(t.numel() in (512, 512 // fused.fused.BLOCK) for t in fused.fused._scratch.tensors)
 
 
 def test_translate_kernel_matches_the_group_translate():

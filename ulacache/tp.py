@@ -183,7 +183,7 @@ class TPAddressSpace:
             from ulacache.kernels.fused_tp import FusedGates
 
             self._gates = [FusedGates(b, G, self.rank, self.P) for b in self.buffers]
-        self._own: dict[int, torch.Tensor] = {}  # fused: this rank's rows per step size
+        self._own = None  # fused: this rank's rows of a step (grown to the largest step)
         self.tp_health = CounterMonitor(self.tp_counters, TP_COUNTERS, TP_OVERFLOWS, _TP_WHAT,
                                         derive=buffer_used)
         logger.info("ulacache TP rank %d/%d: %d local positions of %d addresses, %d GPU + %d "
@@ -454,9 +454,9 @@ class TPAddressSpace:
         g, gates = self.local.group(group), self._gates[group]
         flat = self.local._addrs(addrs, "plan: addrs").reshape(-1).contiguous()
         n = flat.numel()
-        if n not in self._own:
-            self._own[n] = torch.empty(n, dtype=torch.int32, device=self.device)
-        own = self._own[n]
+        if self._own is None or self._own.numel() < n:
+            self._own = torch.empty(max(n, 1), dtype=torch.int32, device=self.device)
+        own = self._own[:n]
         rows = out if out is not None and out.is_contiguous() else \
             torch.empty(addrs.shape, dtype=torch.int32, device=self.device)
         with self.stream.scope():
