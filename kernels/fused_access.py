@@ -8,14 +8,16 @@ synchronisation points and four kernels (docs/fused-access.md):
 
 ====  =====================================================================================
 K1    resolve ``phys = loc[addr]``; the entries to keep (access: live; place: unmapped)
-      claim their address: ``atomic_min(claim[addr], position)``; invalid entries counted
+      claim their address: ``atomic_min(claim[addr], position)``; invalid entries counted;
+      TP (``stripe``): global ``t`` is this rank's ``t // P`` if ``t % P == rank``
 K2    first occurrence (the first resets the claim); access: touch the hits (bit moves to
       the current bucket, stamps, turnover); per-block counts of misses (place: of fresh
       addresses); counters
 K3    rank of each miss (prefix of the block counts + in-block cumsum), its victim (the
       r-th slot in victim order, descending row -> hyper -> superblock -> word -> bit
       counts), the row moves for every layer of the group, then the mapping, owners and
-      CPU free stack (data before mapping within each program)
+      CPU free stack (data before mapping within each program); 16 entries at a time, so
+      the search tiles stay in registers, and sub-blocks without misses skip it
 K4    assign the victims (bit moves, stamps, turnover), the CPU stack pointer, and (access)
       translate every entry to its GPU row (``-1`` kept)
 ====  =====================================================================================
