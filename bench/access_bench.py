@@ -160,23 +160,8 @@ class HitRateSelections:
         return sel[torch.randperm(n, generator=self.gen, device=self.dev)].view(self.bs, self.k)
 
 
-def state(g: SelectionGroup, pools: bool) -> dict[str, torch.Tensor]:
-    """What the two paths must agree on (as tests/fused_helpers.state; pools optional)."""
-    p, G, C = g.policy, g.gpu_slots, g.cpu_slots
-    top = int(g.pools.cpu_top)
-    out = {"loc": g.loc, "gpu_owner": g.gpu_owner, "cpu_owner": g.cpu_owner,
-           "cpu_top": g.pools.cpu_top, "cpu_free": g.pools.cpu_free[:top],
-           "counters": g.counters, "claim": g._claim, "bits": p.bits[:, : p.n_words],
-           "counts": p.counts[:, : p.n_words], "super_counts": p.super_counts[:, : p.n_super],
-           "hyper_counts": p.hyper_counts[:, : p.n_hyper], "row_counts": p.row_counts[:, 0],
-           "round_of": p.round_of[:G], "epoch_of": p.epoch_of[:G], "round_t": p.round_t,
-           "epoch_t": p.epoch_t, "entered": p.entered}
-    if pools:
-        out.update(gpu_pool=g.pools.gpu[:, :G], cpu_pool=g.pools.cpu[:, :C])
-    return out
-
-
 def differs(ref: SelectionGroup, fused: SelectionGroup, pools: bool) -> str | None:
+    state = fused_access.equivalence_state
     a, b = state(ref, pools), state(fused, pools)
     for name in a:
         if not torch.equal(a[name], b[name].to(a[name].device)):

@@ -35,7 +35,6 @@ the torch path. Launches are counted (:func:`launch_count`) so tests can hold th
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import threading
@@ -58,10 +57,8 @@ except ImportError:  # pragma: no cover - exercised where the [cuda] extra is ab
 INTERPRETED = triton is not None and isinstance(tl.standard.sum, InterpretedFunction)
 """Whether the kernels run under Triton's interpreter (fixed when Triton was imported)."""
 
-log = logging.getLogger(__name__)
-
 __all__ = ["available", "FusedAccess", "launch_count", "in_launch", "translate",
-           "LAUNCHES_PER_CALL"]
+           "equivalence_state", "LAUNCHES_PER_CALL"]
 
 LAUNCHES_PER_CALL = 4
 _launches = 0
@@ -528,4 +525,27 @@ def translate(loc: torch.Tensor, addrs: torch.Tensor, out: torch.Tensor, n_logic
     if n:
         _launch(_translate, (-(-n // FusedAccess.BLOCK),), addrs, loc, out, n, n_logical,
                 gpu_slots, row_base, BLOCK=FusedAccess.BLOCK)
+    return out
+
+
+def equivalence_state(g, pools: bool = True) -> dict[str, torch.Tensor]:
+    """Every piece of a group's state the fused and torch paths must leave equal (tests and
+    bench/access_bench.py compare two groups with it): mapping, owners, CPU free stack,
+    counters, claim table, every PB-LRU level, stamps and (``pools``) the rows. Scratch
+    entries are left out: the torch path's masked writes land there and nothing reads them.
+    Host-side (reads the stack pointer)."""
+    p, G, C = g.policy, g.gpu_slots, g.cpu_slots
+    top = int(g.pools.cpu_top)
+    out = {
+        "loc": g.loc, "gpu_owner": g.gpu_owner, "cpu_owner": g.cpu_owner,
+        "cpu_top": g.pools.cpu_top, "cpu_free": g.pools.cpu_free[:top],
+        "cpu_free_scratch": g.pools.cpu_free[C:], "counters": g.counters, "claim": g._claim,
+        "bits": p.bits[:, : p.n_words], "counts": p.counts[:, : p.n_words],
+        "super_counts": p.super_counts[:, : p.n_super],
+        "hyper_counts": p.hyper_counts[:, : p.n_hyper], "row_counts": p.row_counts[:, 0],
+        "round_of": p.round_of[:G], "epoch_of": p.epoch_of[:G], "round_t": p.round_t,
+        "epoch_t": p.epoch_t, "entered": p.entered,
+    }
+    if pools:
+        out.update(gpu_pool=g.pools.gpu[:, :G], cpu_pool=g.pools.cpu[:, :C])
     return out

@@ -7,7 +7,10 @@ from __future__ import annotations
 import torch
 
 from ulacache.group import SelectionGroup
+from ulacache.kernels.fused_access import equivalence_state as state
 from ulacache.pblru import PBLRU
+
+__all__ = ["make_twins", "state", "assert_same", "TwinDriver"]
 
 
 def make_twins(n_layers: int = 2, n_logical: int = 400, gpu_slots: int = 64,
@@ -24,24 +27,6 @@ def make_twins(n_layers: int = 2, n_logical: int = 400, gpu_slots: int = 64,
                   for path in ("torch", "fused"))
     assert twins[0].fused is None and twins[1].fused is not None
     return twins
-
-
-def state(g: SelectionGroup) -> dict[str, torch.Tensor]:
-    """Every piece of state the two paths must agree on (scratch entries excluded: they absorb
-    masked writes in the torch path and are never read)."""
-    p, G, C = g.policy, g.gpu_slots, g.cpu_slots
-    top = int(g.pools.cpu_top)
-    return {
-        "loc": g.loc, "gpu_owner": g.gpu_owner, "cpu_owner": g.cpu_owner,
-        "cpu_top": g.pools.cpu_top, "cpu_free": g.pools.cpu_free[:top],
-        "cpu_free_scratch": g.pools.cpu_free[C:], "counters": g.counters, "claim": g._claim,
-        "bits": p.bits[:, : p.n_words], "counts": p.counts[:, : p.n_words],
-        "super_counts": p.super_counts[:, : p.n_super],
-        "hyper_counts": p.hyper_counts[:, : p.n_hyper], "row_counts": p.row_counts[:, 0],
-        "round_of": p.round_of[:G], "epoch_of": p.epoch_of[:G], "round_t": p.round_t,
-        "epoch_t": p.epoch_t, "entered": p.entered,
-        "gpu_pool": g.pools.gpu[:, :G], "cpu_pool": g.pools.cpu[:, :C],
-    }
 
 
 def assert_same(ref: SelectionGroup, fused: SelectionGroup, what: str = "") -> None:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
+import sys
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -109,6 +112,33 @@ def sglang_alloc_decode(h, idxs: list[int]):
     return ri, seq, out
 
 
+def sglang_alloc_verify(h, idxs: list[int], steps: int):
+    """A speculative verify step's allocation (``steps`` draft tokens per request, lengths not
+    advanced), recorded in ``req_to_token``. Returns ``(req rows int64 [bs], prefix lengths
+    int64 [bs], locs)``."""
+    bs = len(idxs)
+    ri = torch.tensor(idxs)
+    prefix = torch.tensor([h.lens[i] for i in idxs])
+    last = torch.stack([h.rtp.req_to_token[i, h.lens[i] - 1].long() for i in idxs])
+    locs = h.alloc.alloc_logical_only(prefix, prefix, prefix + steps, prefix + steps, last,
+                                      bs * steps)
+    for b, i in enumerate(idxs):
+        h.rtp.req_to_token[i, h.lens[i]: h.lens[i] + steps] = \
+            locs[b * steps: (b + 1) * steps].to(torch.int32)
+    return ri, prefix, locs
+
+
+def sglang_verify_topk(h, idxs: list[int], steps: int, k: int) -> torch.Tensor:
+    """``int32 [bs, steps, k]``: per request and draft step, distinct positions up to that
+    step's own token, ``-1`` padded."""
+    topk = torch.full((len(idxs), steps, k), -1, dtype=torch.int32)
+    for b, i in enumerate(idxs):
+        for s in range(steps):
+            pos = torch.randperm(h.lens[i] + s + 1, generator=h.gen)[:k]
+            topk[b, s, : pos.numel()] = pos.to(torch.int32)
+    return topk
+
+
 def sglang_topk(h, idxs: list[int], k: int, pad: int):
     """The indexer's output for a decode step: per request distinct positions (always the
     newest), ``-1`` padded, plus ``pad`` CUDA-graph padding rows of garbage; and the padded
@@ -125,3 +155,14 @@ def sglang_topk(h, idxs: list[int], k: int, pad: int):
     seq_pad = torch.cat([torch.tensor([h.lens[i] for i in idxs]),
                          torch.ones(pad, dtype=torch.int64)])
     return topk, ri_pad, seq_pad
+
+
+def load_bench(name: str):
+    """``bench/<name>.py`` imported as module ``name`` (the bench scripts are not a package;
+    registered in ``sys.modules`` so dataclasses and pickling resolve it)."""
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod

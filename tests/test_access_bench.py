@@ -5,7 +5,6 @@ with a clear message."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -14,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import load_bench
+
 pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,15 +22,7 @@ SCRIPT = ROOT / "bench" / "access_bench.py"
 TINY = ["--k", "32", "--pools", "64", "--steps", "2", "--warmup", "1", "--no-hisparse"]
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("access_bench", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["access_bench"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-ab = _load()
+ab = load_bench("access_bench")
 
 
 def test_json_contract_subprocess():

@@ -4,7 +4,6 @@ calibration targets, capacity/admission at equal memory, determinism with a seed
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import subprocess
 import sys
@@ -13,21 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.helpers import load_bench
+
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "typing-py-1024-k64.trace.npz"
 GPL3 = ROOT / "ulacache" / "tools" / "data" / "gpl3.trace.npz"
 
 
-def _load():
-    path = ROOT / "bench" / "decode_sweep.py"
-    spec = importlib.util.spec_from_file_location("decode_sweep", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["decode_sweep"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-ds = _load()
+ds = load_bench("decode_sweep")
 TINY = dict(k=64, h_slots=128, gpu_rows=4000, host_rows=60000, steps=6, layers=4, buckets=8)
 
 

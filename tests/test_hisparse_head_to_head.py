@@ -5,7 +5,6 @@ table and JSON contract, and the no-GPU / no-sources exits. The kernel itself: `
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -17,21 +16,14 @@ import numpy as np
 import pytest
 import torch
 
+from tests.helpers import load_bench
 from ulacache.tools.hisparse import HiSparseBuffer
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "hisparse_head_to_head.py"
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("hisparse_head_to_head", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["hisparse_head_to_head"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-h2h = _load()
+h2h = load_bench("hisparse_head_to_head")
 SMALL = dict(k=64, h_slots=128, reserved=64, row_bytes=656)
 CPU = torch.device("cpu")
 

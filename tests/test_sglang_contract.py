@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from .helpers import sglang_alloc_decode, sglang_topk
+from .helpers import sglang_alloc_decode, sglang_alloc_verify, sglang_topk, sglang_verify_topk
 
 sglang = pytest.importorskip("sglang")
 pytestmark = pytest.mark.sglang
@@ -144,24 +144,12 @@ class Harness:
 
     def verify_step(self, idxs: list[int], steps: int = 2) -> None:
         bs = len(idxs)
-        ri = torch.tensor(idxs)
-        prefix = torch.tensor([self.lens[i] for i in idxs])
-        last = torch.stack([self.rtp.req_to_token[i, self.lens[i] - 1].long() for i in idxs])
-        locs = self.alloc.alloc_logical_only(prefix, prefix, prefix + steps, prefix + steps,
-                                             last, bs * steps)
-        for b, i in enumerate(idxs):
-            self.rtp.req_to_token[i, self.lens[i]: self.lens[i] + steps] = \
-                locs[b * steps: (b + 1) * steps].to(torch.int32)
+        ri, prefix, locs = sglang_alloc_verify(self, idxs, steps)
         batch = types.SimpleNamespace(out_cache_loc=locs, req_pool_indices=ri)
         self.coord.prepare_spec_verify(batch)
         self.coord.num_real_reqs.fill_(bs)
         self.write_kv(locs)
-        topk = torch.full((bs, steps, K), -1, dtype=torch.int32)
-        for b, i in enumerate(idxs):
-            for s in range(steps):
-                n = self.lens[i] + s + 1
-                pos = torch.randperm(n, generator=self.gen)[:K]
-                topk[b, s, : pos.numel()] = pos.to(torch.int32)
+        topk = sglang_verify_topk(self, idxs, steps, K)
         for layer in range(L):
             rows = self.coord.swap_in_selected_pages(ri, prefix + steps, topk, layer)
             assert rows.shape == (bs, steps, K)

@@ -51,7 +51,6 @@ from .config import UlaCacheConfig
 from .errors import AddressError, CapacityExhausted, ShapeError, UlaCacheError
 from .group import COUNTERS, add_counts, new_claim_table
 from .health import CounterMonitor
-from .pblru import PBLRU
 from .pools import resolve_device
 from .space import AddressSpace
 
@@ -177,9 +176,10 @@ class TPAddressSpace:
                                        device=self.device)
         self._plans: list[_Plan | None] = [None] * len(groups)
         # The fused path (access_path, ulacache.group): own access and gates in 4 + 4
-        # launches around the all-gather; None where the groups run the torch path.
+        # launches around the all-gather; None where the groups run the torch path. (Fused
+        # groups imply PB-LRU, which the buffers share through config.policy.)
         self._gates = None
-        if self.groups[0].fused is not None and isinstance(self.buffers[0].policy, PBLRU):
+        if self.groups[0].fused is not None:
             from ulacache.kernels.fused_tp import FusedGates
 
             self._gates = [FusedGates(b, G, self.rank, self.P) for b in self.buffers]
