@@ -11,8 +11,10 @@ They keep HiSparse's constructor signatures and every method SGLang calls (see
   ``swap_in_selected_pages``.
 
 Each class builds its TP-mode subclass (``sglang_tp_pool.py``, ``sglang_tp_runtime.py``) when
-``--ulacache-config`` says ``"mode": "tp"``; TP mode's two hooks (sizing, sharded top-k;
-``sglang_tp_support.py``) are registered with the others and do nothing in DP mode.
+``--ulacache-config`` says ``"mode": "tp"``. The sizing hook (``sglang_sizing.py``: ulacache's
+tables in SGLang's per-token cell, both modes; TP striping and the buffer in TP mode) and TP
+mode's sharded top-k hook (``sglang_tp_support.py``, a no-op in DP mode) are registered with
+the others.
 
 This module is what the plugin imports: the three classes and the extra hooks they need.
 """
@@ -29,6 +31,7 @@ from .sglang_pool import (
     layer_groups_from_skip,
     sglang_options,
 )
+from .sglang_sizing import SIZING_HOOKS, model_skip_flags
 from .sglang_tp_support import TP_HOOKS
 
 __all__ = ["UlaCacheDSATokenToKVPool", "UlaCacheTokenToKVPoolAllocator", "UlaCacheCoordinator",
@@ -56,16 +59,9 @@ def _build_dsa_kv_pool_around(original_fn, self, *args, **kwargs):
     pool being built, so shared layers join their anchor's selection group: under HiSparse SGLang
     does not pass ``skip_topk_layers`` to the pool (it would elide their index-K). The index-K
     allocation is unchanged. The coordinator cross-checks the groups against SGLang's
-    ``shared_index_layers`` at start-up."""
-    from sglang.srt.configs.model_config import dsa_layer_skips_topk, is_deepseek_dsa
-
-    cfg = self.model_config.hf_config
-    flags = None
-    if not getattr(self, "is_draft_worker", False) and is_deepseek_dsa(cfg):
-        info = self.layer_info
-        flags = [bool(dsa_layer_skips_topk(cfg, layer))
-                 for layer in range(info.start_layer, info.end_layer)]
-    token = MODEL_SKIPS.set(flags)
+    ``shared_index_layers`` at start-up; the sizing hook charged the tables of these groups
+    (``sglang_sizing.pool_layer_groups``, same flags)."""
+    token = MODEL_SKIPS.set(model_skip_flags(self))
     try:
         return original_fn(self, *args, **kwargs)
     finally:
@@ -79,6 +75,7 @@ EXTRA_HOOKS: dict[str, tuple[Any, str]] = {
         (_forward_extend_around, "around"),
     "sglang.srt.mem_cache.sparsity.factory.parse_hisparse_config":
         (_parse_hisparse_config_around, "around"),
+    **SIZING_HOOKS,
     **TP_HOOKS,
 }
 """Hooks the plugin registers with the class swaps when the ulacache backend is selected."""

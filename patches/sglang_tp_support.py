@@ -1,5 +1,5 @@
-"""TP mode under SGLang 0.5.23: process-group helpers, the buffer-size rule, and the two hooks
-TP mode adds beside the class swaps.
+"""TP mode under SGLang 0.5.23: process-group helpers, the buffer-size rule, and the top-k
+hook TP mode adds beside the class swaps.
 
 Process groups. The ranks that stripe one address space are SGLang's ``get_dp_tp_group()``
 (the attention-TP group with attention DP, else the whole TP group; research note §5). Its
@@ -9,12 +9,12 @@ Process groups. The ranks that stripe one address space are SGLang's ``get_dp_tp
 ``torch.distributed.all_gather_into_tensor`` on the gloo device group on CPU, where SGLang's
 custom op has no CPU kernel).
 
-Hooks (registered with the class swaps, both no-ops outside TP mode):
+Sizing (``1/P`` of the latent per token, the local buffer as fixed overhead, the buffers' maps)
+is the sizing hook's (:mod:`ulacache.patches.sglang_sizing`), which serves both modes and uses
+:func:`resolve_buffer_slots` and :data:`SIZED` from here.
 
-* AROUND ``DefaultPoolConfigurator.__init__`` (:func:`pool_configurator_init_around`): charge
-  ``1/P`` of the latent per token (each rank holds ``N / P`` own rows of the ``N`` global GPU
-  tokens) and the local buffer as fixed overhead. Index-K stays charged in full (replicated).
-  Post-adjusting ``__init__`` leaves the EAGLE draft terms at their stock values.
+Hook (registered with the class swaps, a no-op outside TP mode):
+
 * AROUND ``DSAIndexerMetadata.topk_transform`` (:func:`topk_transform_around`, only with
   ``shard_indexer``): the paged decode/verify top-k becomes the exact sharded merge of
   :mod:`ulacache.indexer` (rank ``r`` ranks the columns ``j`` with ``j % P == r``, one
@@ -24,7 +24,6 @@ Hooks (registered with the class swaps, both no-ops outside TP mode):
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 import torch
@@ -32,8 +31,6 @@ import torch
 from ulacache.config import SGLangOptions
 from ulacache.errors import ConfigError
 from ulacache.indexer import shard_columns, sharded_topk
-
-from .sglang_pool import sglang_options
 
 logger = logging.getLogger(__name__)
 
@@ -140,36 +137,6 @@ def require_topk_agreement() -> None:
 
 
 # -- hooks ---------------------------------------------------------------------------------
-def pool_configurator_init_around(original_fn, self, kvc, *args, **kwargs):
-    """AROUND ``DefaultPoolConfigurator.__init__``: in TP mode charge ``ceil(latent / P)`` per
-    token instead of the latent, and the buffer (``(B + 65) x layers x row bytes``, scratch and
-    page padding included) as fixed overhead. Records the buffer size in :data:`SIZED`."""
-    original_fn(self, kvc, *args, **kwargs)
-    opts = sglang_options()
-    if opts.mode != "tp" or getattr(kvc, "is_draft_worker", False) or \
-            not getattr(kvc, "use_mla_backend", False):
-        return
-    from sglang.srt.mem_cache.kv_cache_configurator import calculate_mla_kv_cache_dim
-    from sglang.srt.runtime_context import get_schedule
-
-    P = tp_group().world_size
-    layers = int(kvc.layer_info.num_effective_layers)
-    row = calculate_mla_kv_cache_dim(model_config=kvc.model_config,
-                                     kv_cache_dtype=kvc.kv_cache_dtype) * \
-        torch._utils._element_size(kvc.kv_cache_dtype)
-    latent = row * layers
-    top_k = getattr(getattr(kvc.model_config, "hf_text_config", None), "index_topk", None)
-    B = resolve_buffer_slots(opts, get_schedule().max_running_requests,
-                             int(top_k or DEFAULT_TOP_K), draft_tokens())
-    self._cell_size -= latent - math.ceil(latent / P)
-    buffer_bytes = (B + 1 + 64) * layers * row
-    self._fixed_overhead_bytes += buffer_bytes
-    SIZED.update(buffer_slots=B, tp_size=P)
-    logger.info("ulacache TP sizing: %d ranks; latent %d -> %d B per token per rank; buffer %d "
-                "rows x %d layers x %d B = %.2f GiB per rank (fixed)", P, latent,
-                math.ceil(latent / P), B, layers, row, buffer_bytes / 2**30)
-
-
 def sharded_topk_positions(grp, logits: torch.Tensor, lengths: torch.Tensor,
                            k: int) -> torch.Tensor:
     """``int32 [T, k]`` top-k positions of ``logits`` ``float [T, W]`` (columns ``j <
@@ -196,9 +163,8 @@ def topk_transform_around(original_fn, self, logits, topk, *args, **kwargs):
 
 
 TP_HOOKS: dict[str, tuple[Any, str]] = {
-    "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.__init__":
-        (pool_configurator_init_around, "around"),
     "sglang.srt.layers.attention.dsa.dsa_indexer_metadata.DSAIndexerMetadata.topk_transform":
         (topk_transform_around, "around"),
 }
-"""The hooks TP mode needs (``verify.TP_HOOK_TARGETS`` lists their targets)."""
+"""The hook only TP mode needs (``verify.TP_HOOK_TARGETS`` lists it with the sizing hook's
+target, which TP mode cannot run without either)."""

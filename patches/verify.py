@@ -33,7 +33,8 @@ TP_HOOK_TARGETS = (
     "sglang.srt.layers.attention.dsa.dsa_indexer_metadata.DSAIndexerMetadata.topk_transform",
 )
 """Targets TP mode cannot run without: the sizing hook (without it SGLang charges the full
-latent per rank and the pool's buffer is not budgeted) and the sharded top-k merge."""
+latent per rank and the pool's buffer is not budgeted; it also charges ulacache's tables in
+both modes, verified there with every other registered hook) and the sharded top-k merge."""
 
 
 class HookVerificationError(RuntimeError):

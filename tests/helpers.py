@@ -157,6 +157,48 @@ def sglang_topk(h, idxs: list[int], k: int, pad: int):
     return topk, ri_pad, seq_pad
 
 
+def device_table_bytes(root, rows: list[torch.Tensor], skip_attrs: tuple[str, ...] = (),
+                       modules: tuple[str, ...] = ("ulacache",)) -> dict[str, int]:
+    """Bytes of every tensor storage reachable from ``root`` (through the attributes of
+    objects of the packages in ``modules``, lists, tuples and dicts), by the path it was first
+    reached at, except the storages of ``rows`` (the row pools: KV data, not tables), counter
+    monitors' host mirrors, peers and attributes named in ``skip_attrs``. Views count once, as
+    their whole storage: what was allocated, not what is viewed."""
+    from ulacache.health import CounterMonitor
+    from ulacache.ipc import Peers
+
+    skip = {t.untyped_storage().data_ptr() for t in rows}
+    seen_obj: set[int] = set()
+    found: dict[int, tuple[str, int]] = {}
+
+    def walk(obj, path: str) -> None:
+        if isinstance(obj, torch.Tensor):
+            st = obj.untyped_storage()
+            if st.nbytes() and st.data_ptr() not in skip:
+                found.setdefault(st.data_ptr(), (path, st.nbytes()))
+            return
+        if id(obj) in seen_obj or isinstance(obj, (CounterMonitor, Peers)):
+            return
+        seen_obj.add(id(obj))
+        if isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(v, f"{path}[{i}]")
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, f"{path}[{k!r}]")
+        elif type(obj).__module__.startswith(modules):
+            attrs = dict(vars(obj)) if hasattr(obj, "__dict__") else {}
+            for name in getattr(type(obj), "__slots__", ()):
+                if hasattr(obj, name):
+                    attrs[name] = getattr(obj, name)
+            for name, v in attrs.items():
+                if name not in skip_attrs:
+                    walk(v, f"{path}.{name}")
+
+    walk(root, "root")
+    return dict(found.values())
+
+
 def load_bench(name: str):
     """``bench/<name>.py`` imported as module ``name`` (the bench scripts are not a package;
     registered in ``sys.modules`` so dataclasses and pickling resolve it)."""

@@ -530,43 +530,56 @@ def test_tp_mode_accepts_legal_parallelism(clean_env):
 def test_sizing_hook_charges_one_pth_of_the_latent_and_the_buffer(monkeypatch):
     """DeepSeek-V3.2 fp8 numbers: latent 656 B x 61 layers per token, index-K 132 B x 61 x 5
     (cpu_ratio 4) charged in full; at P = 4 the latent costs ceil(40016 / 4) per token per
-    rank and the buffer R x (K + 1) rows per layer is fixed overhead."""
+    rank, the rows per layer beside the own rows (B = R x (K + 1) buffer rows, sink page,
+    scratch, page padding: B + 128) are fixed overhead, and ulacache's tables of the 61
+    selection groups are added per token and fixed (``ulacache.sizing.table_bytes_per_slot``;
+    in DP mode with the pool's tail page). tests/test_sglang_sizing.py runs the hook on SGLang's
+    real configurator."""
     import sglang.srt.mem_cache.kv_cache_configurator as kvcm
     import sglang.srt.runtime_context as rc
 
     from ulacache.config import SGLangOptions
     from ulacache.errors import ConfigError
+    from ulacache.patches import sglang_sizing as sz
     from ulacache.patches import sglang_tp_support as tps
+    from ulacache.sizing import table_bytes_per_slot
 
     monkeypatch.setattr(kvcm, "calculate_mla_kv_cache_dim", lambda **kw: 656)
     monkeypatch.setattr(rc, "get_schedule", lambda: types.SimpleNamespace(max_running_requests=8))
     monkeypatch.setattr(tps, "tp_group", lambda: types.SimpleNamespace(world_size=4))
     monkeypatch.setattr(tps, "draft_tokens", lambda: 0)
     monkeypatch.setattr(tps, "SIZED", {})
+    hf = types.SimpleNamespace(architectures=["DeepseekV32ForCausalLM"], index_topk=2048)
     kvc = types.SimpleNamespace(
         is_draft_worker=False, use_mla_backend=True, kv_cache_dtype=torch.float8_e4m3fn,
-        layer_info=types.SimpleNamespace(num_effective_layers=61),
-        model_config=types.SimpleNamespace(hf_text_config=types.SimpleNamespace(
-            index_topk=2048)))
+        pool_page_size=64,
+        layer_info=types.SimpleNamespace(start_layer=0, end_layer=61, num_effective_layers=61),
+        model_config=types.SimpleNamespace(hf_config=hf, hf_text_config=hf))
     latent, index_k = 656 * 61, 132 * 61 * 5
 
     def stock(self, kvc):
         self._cell_size, self._fixed_overhead_bytes = latent + index_k, 0
 
     def run(opts, **kvc_changes):
-        monkeypatch.setattr(tps, "sglang_options", lambda: opts)
+        monkeypatch.setattr(sz, "sglang_options", lambda: opts)
         cfg = types.SimpleNamespace()
-        tps.pool_configurator_init_around(stock, cfg, types.SimpleNamespace(
+        sz.pool_configurator_init_around(stock, cfg, types.SimpleNamespace(
             **{**vars(kvc), **kvc_changes}))
         return cfg._cell_size, cfg._fixed_overhead_bytes
 
-    assert run(SGLangOptions()) == (latent + index_k, 0)  # DP mode: stock
+    per, fixed = table_bytes_per_slot(61, ratio=5, page_size=64)
+    assert run(SGLangOptions()) == (latent + index_k + per, fixed + 64 * 61 * 656)  # DP
     tp = SGLangOptions(mode="tp")
     assert run(tp, is_draft_worker=True) == (latent + index_k, 0)
+    assert run(tp, use_mla_backend=False) == (latent + index_k, 0)
     B = 8 * 1 * 2049
-    assert run(tp) == (10004 + index_k, (B + 65) * 61 * 656)
+    per, fixed = table_bytes_per_slot(61, ratio=5, page_size=64, tp_size=4, buffer_slots=B,
+                                      layers=61)
+    assert run(tp) == (10004 + index_k + per, (B + 128) * 61 * 656 + fixed)
     assert tps.SIZED == {"buffer_slots": B, "tp_size": 4}
-    assert run(SGLangOptions(mode="tp", buffer_slots=1000))[1] == 1065 * 61 * 656
+    per, fixed = table_bytes_per_slot(61, ratio=5, page_size=64, tp_size=4, buffer_slots=1000,
+                                      layers=61)
+    assert run(SGLangOptions(mode="tp", buffer_slots=1000))[1] == 1128 * 61 * 656 + fixed
     monkeypatch.setattr(rc, "get_schedule",
                         lambda: types.SimpleNamespace(max_running_requests=None))
     with pytest.raises(ConfigError, match="--max-running-requests"):

@@ -25,6 +25,7 @@ from .errors import CapacityExhausted, ShapeError
 from .group import COUNTERS, SelectionGroup, new_claim_table
 from .health import CounterMonitor
 from .pools import free_bytes, resolve_device
+from .sizing import table_bytes
 from .streams import CoreStream
 
 logger = logging.getLogger(__name__)
@@ -84,18 +85,18 @@ class AddressSpace:
 
     def _check_memory(self, layer_groups: list[list[int]], engine_pools: bool) -> None:
         """Refuse, before allocating anything, a configuration whose pools and tables together
-        exceed the free device or host memory (each allocation is checked again on its own)."""
+        exceed the free device or host memory (each allocation is checked again on its own).
+        The tables are :func:`table_bytes`, the figure an engine's sizing charges too."""
         c, n = self.config, self.n_logical
         rb, G, C = c.row_layout.row_bytes, c.gpu_slots, c.cpu_slots
         layers = sum(len(g) for g in layer_groups)
-        groups = len(layer_groups)
+        _, tables = table_bytes(len(layer_groups), n_logical=n, gpu_slots=G, cpu_slots=C,
+                                n_buckets=c.n_buckets, policy=c.policy)
         cpu = torch.device("cpu")
         parts = {  # (device, what) -> bytes
             (self.device, "the GPU pool"): 0 if engine_pools else layers * (G + 1) * rb,
             (cpu, "the CPU pool"): layers * (C + 1) * rb,
-            (self.device, "the mapping tables"): groups * 8 * ((n + 1) + 3 * (G + 1)
-                                                              + 2 * (C + 1)) + 8 * (n + 1),
-            (self.device, "the policy state"): groups * (c.n_buckets + 3) * (G // 63 + 32) * 12,
+            (self.device, "the mapping tables, claim table and policy state"): tables,
         }
         for dev in {self.device, cpu}:
             mine = {what: b for (d, what), b in parts.items() if d == dev and b}

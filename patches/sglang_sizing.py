@@ -1,0 +1,118 @@
+"""Sizing under SGLang 0.5.23: ulacache's own device memory inside SGLang's KV budget.
+
+SGLang sizes the pool from one budget: ``DefaultPoolConfigurator`` computes the per-token
+``_cell_size`` (latent row of every layer + index-K x ``host_to_device_ratio``) and a
+``_fixed_overhead_bytes``, then ``max_total_num_tokens = (available - fixed) // cell``. It
+knows nothing of ulacache, so one AROUND hook on ``DefaultPoolConfigurator.__init__``
+(:func:`pool_configurator_init_around`) adds what the ulacache pool will allocate besides:
+
+* both modes: ulacache's tables (mapping, owners, free stacks, claim tables, PB-LRU state and,
+  in TP mode, the buffers' maps over the global addresses), per token and fixed, from
+  :func:`ulacache.sizing.table_bytes_per_slot` (the formula the core's start-up check uses) for
+  the selection groups the pool will build (SGLang's own top-k sharing pattern);
+* DP mode: the pool's tail page (64 rows per layer beyond SGLang's padding page);
+* TP mode: ``ceil(latent / P)`` per token instead of the latent (each rank holds ``N / P`` own
+  rows of the ``N`` global GPU tokens) and the rows per layer around them (sink page, scratch,
+  ``B`` buffer rows, padding to a page) as fixed overhead. Index-K stays charged in full.
+
+Draft workers (their stock pool has no ulacache tables) and non-MLA models are left alone.
+Post-adjusting ``__init__`` leaves the EAGLE draft terms at their stock values.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+
+from ulacache.sizing import table_bytes_per_slot
+
+from . import sglang_tp_support as tps
+from .sglang_pool import MODEL_SKIPS, layer_groups_from_skip, sglang_options
+
+logger = logging.getLogger(__name__)
+
+
+def model_skip_flags(kvc) -> list[bool] | None:
+    """Per layer of this worker (``layer_info.start_layer .. end_layer``): whether it reuses the
+    previous layer's top-k (SGLang's ``dsa_layer_skips_topk``); ``None`` for a draft worker or
+    a model that is not DSA (the pool then makes every layer its own selection group)."""
+    from sglang.srt.configs.model_config import dsa_layer_skips_topk, is_deepseek_dsa
+
+    cfg = kvc.model_config.hf_config
+    if getattr(kvc, "is_draft_worker", False) or not is_deepseek_dsa(cfg):
+        return None
+    info = kvc.layer_info
+    return [bool(dsa_layer_skips_topk(cfg, layer))
+            for layer in range(info.start_layer, info.end_layer)]
+
+
+def pool_layer_groups(kvc) -> list[list[int]]:
+    """The selection groups the pool will build for this configurator: the same pattern and
+    the same grouping code as the pool's construction (``classes._build_dsa_kv_pool_around``
+    records the flags, the pool groups them with ``layer_groups_from_skip``)."""
+    info = kvc.layer_info
+    token = MODEL_SKIPS.set(model_skip_flags(kvc))
+    try:
+        return layer_groups_from_skip(None, int(info.num_effective_layers),
+                                      int(getattr(info, "start_layer", 0) or 0))
+    finally:
+        MODEL_SKIPS.reset(token)
+
+
+def pool_configurator_init_around(original_fn, self, kvc, *args, **kwargs):
+    """AROUND ``DefaultPoolConfigurator.__init__``: add ulacache's device memory to
+    ``self._cell_size`` (bytes per SGLang GPU token) and ``self._fixed_overhead_bytes`` (see
+    the module docstring). In TP mode records the buffer size in ``sglang_tp_support.SIZED``,
+    so the pool allocates exactly what was charged."""
+    original_fn(self, kvc, *args, **kwargs)
+    if getattr(kvc, "is_draft_worker", False) or not getattr(kvc, "use_mla_backend", False):
+        return
+    from sglang.srt.mem_cache.kv_cache_configurator import calculate_mla_kv_cache_dim
+
+    opts = sglang_options()
+    layers = int(kvc.layer_info.num_effective_layers)
+    page = int(getattr(kvc, "pool_page_size", None) or 64)
+    row = calculate_mla_kv_cache_dim(model_config=kvc.model_config,
+                                     kv_cache_dtype=kvc.kv_cache_dtype) * \
+        torch._utils._element_size(kvc.kv_cache_dtype)
+    stock_cell = self._cell_size
+    P, B = 1, 0
+    if opts.mode == "tp":
+        from sglang.srt.runtime_context import get_schedule
+
+        P = tps.tp_group().world_size
+        top_k = getattr(getattr(kvc.model_config, "hf_text_config", None), "index_topk", None)
+        B = tps.resolve_buffer_slots(opts, get_schedule().max_running_requests,
+                                     int(top_k or tps.DEFAULT_TOP_K), tps.draft_tokens())
+        latent = row * layers
+        self._cell_size -= latent - math.ceil(latent / P)
+        # rows per layer beside the N / P own rows: sink page, scratch, B buffer rows and the
+        # padding to a whole page (sglang_tp_pool: ceil((page + G + 1 + B) / page) pages)
+        rows_bytes = (B + 2 * page) * layers * row
+        tps.SIZED.update(buffer_slots=B, tp_size=P)
+    else:
+        rows_bytes = page * layers * row  # the pool's tail page (sglang_pool._create_buffers)
+    groups = pool_layer_groups(kvc)
+    per_token, fixed = table_bytes_per_slot(
+        len(groups), ratio=opts.host_to_device_ratio, page_size=page, n_buckets=opts.n_buckets,
+        policy=opts.policy, tp_size=P, buffer_slots=B, layers=layers)
+    self._cell_size += per_token
+    self._fixed_overhead_bytes += fixed + rows_bytes
+    logger.info(
+        "ulacache sizing (%s, %d rank(s)): %d selection group(s) over %d layers; cell %d -> %d B "
+        "per GPU token (ulacache tables %d B%s); fixed overhead +%.1f MiB (tables %.1f MiB, %s "
+        "%.1f MiB)", opts.mode, P, len(groups), layers, stock_cell, self._cell_size, per_token,
+        ", latent 1/P" if P > 1 else "", (fixed + rows_bytes) / 2**20, fixed / 2**20,
+        f"{B} buffer rows + sink, scratch, padding per layer" if P > 1 else "tail page",
+        rows_bytes / 2**20)
+
+
+SIZING_HOOKS: dict[str, tuple[Any, str]] = {
+    "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.__init__":
+        (pool_configurator_init_around, "around"),
+}
+"""Registered with the class swaps (``classes.EXTRA_HOOKS``), in both modes; TP mode also
+requires it (``verify.TP_HOOK_TARGETS``)."""

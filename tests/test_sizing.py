@@ -1,0 +1,147 @@
+"""Device bytes of ulacache's own tables (``ulacache.sizing.table_bytes``): what engines charge
+for them (the SGLang sizing hook) and what the core's start-up check refuses against.
+
+The formula is checked against real objects: an :class:`AddressSpace` (and a TP rank's
+:class:`TPAddressSpace`, ranks as threads) is built for several geometries and every tensor
+storage it owns, except the row pools, is summed (``helpers.device_table_bytes``). The formula
+must be >= that sum and exceed it by at most the stated slack: under 1 B per slot (the per-slot
+sum is rounded up once) plus, per replacement policy, one superblock of words per bucket row
+and one entry of each count level (``rows x 204`` B; PB-LRU's word rounding is bounded from
+above), plus the CUDA peer pointer tables in TP mode (not allocated on CPU). Forgetting a table
+(the claim table is ``8 x ratio`` B per slot) or sizing one by ``ratio`` instead of ``ratio -
+1`` (``16`` B per slot per group) breaks one bound or the other.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+import torch
+
+from ulacache.config import UlaCacheConfig
+from ulacache.errors import CapacityExhausted, ConfigError
+from ulacache.ipc import run_ranks
+from ulacache.sizing import Affine, table_bytes, table_bytes_per_slot
+from ulacache.space import AddressSpace
+from ulacache.tp import TPAddressSpace
+
+from .helpers import device_table_bytes
+
+PAGE = 64
+
+
+def slack(x: int, policies: int, n_buckets: int, policy: str, extra: int = 0) -> int:
+    """The most the formula may exceed the allocation by (see the module docstring)."""
+    rows = n_buckets + 3 if policy == "pblru" else 0
+    return x + policies * rows * 204 + extra + 1
+
+
+# (gpu slots, ratio, n_buckets, layers, layers per group, policy): superblock edges (1008 slots),
+# ratio 1 (no CPU tier), exact LRU, many buckets, a pool past one hyper block (64512 slots)
+GEOMETRIES = [(64, 5, 4, 4, 1, "pblru"), (1000, 2, 64, 2, 2, "pblru"),
+              (1008, 3, 8, 3, 1, "pblru"), (1009, 3, 8, 3, 1, "pblru"),
+              (5000, 1, 2, 3, 1, "lru"), (70_000, 5, 64, 2, 1, "pblru"),
+              (777, 4, 4096, 1, 1, "pblru")]
+
+
+@pytest.mark.parametrize(("G", "ratio", "nb", "L", "lpg", "policy"), GEOMETRIES)
+def test_dp_formula_bounds_the_allocated_tables(G, ratio, nb, L, lpg, policy):
+    cfg = UlaCacheConfig(layout="tiny", row_bytes=1, n_layers=L, layers_per_group=lpg,
+                         gpu_slots=G, cpu_slots=(ratio - 1) * G, n_buckets=nb, policy=policy,
+                         page_size=PAGE)
+    space = AddressSpace(cfg, n_logical=ratio * G + PAGE)
+    rows = [t for g in space.groups for t in (g.pools.gpu, g.pools.cpu)]
+    parts = device_table_bytes(space, rows)
+    real = sum(parts.values())
+    per, fixed = table_bytes_per_slot(cfg.n_groups, ratio=ratio, page_size=PAGE, n_buckets=nb,
+                                      policy=policy)
+    bound = per * G + fixed
+    assert real <= bound <= real + slack(G, cfg.n_groups, nb, policy), (bound, real, parts)
+    # the same function with the sizes as constants gives the same bound (no per-slot part)
+    assert table_bytes(cfg.n_groups, n_logical=ratio * G + PAGE, gpu_slots=G,
+                       cpu_slots=(ratio - 1) * G, n_buckets=nb, policy=policy)[1] <= bound
+    # every table the formula names was found (a walker that missed the pools' free stacks or
+    # the policy would make the bound look loose, not wrong)
+    names = {path.rsplit(".", 1)[-1] for path in parts}
+    assert {"loc", "gpu_owner", "cpu_owner", "cpu_free", "_claim", "counter_table"} <= names
+
+
+@pytest.mark.parametrize(("P", "N", "ratio", "nb", "L", "lpg", "B"),
+                         [(2, 1024, 5, 4, 4, 1, 300), (4, 4096, 3, 64, 4, 2, 5000),
+                          (2, 2048, 1, 8, 2, 1, 64)])
+def test_tp_formula_bounds_a_ranks_tables(P, N, ratio, nb, L, lpg, B):
+    """``x`` is the group's global GPU token count ``N``; each rank's own tables are over its
+    stripe, its buffers' maps over every global address."""
+    G = N // P
+    cfg = UlaCacheConfig(layout="tiny", row_bytes=1, n_layers=L, layers_per_group=lpg,
+                         gpu_slots=G, cpu_slots=(ratio - 1) * G, n_buckets=nb, tp_size=P,
+                         buffer_slots=B, page_size=PAGE)
+
+    def rank(peers):
+        space = TPAddressSpace(cfg, peers, n_logical=ratio * N + PAGE)
+        rows = list(space.storage) + [t for g in space.groups for t in (g.pools.gpu, g.pools.cpu)]
+        return device_table_bytes(space, rows, skip_attrs=("_peer_layers",))
+
+    per, fixed = table_bytes_per_slot(cfg.n_groups, ratio=ratio, page_size=PAGE, n_buckets=nb,
+                                      tp_size=P, buffer_slots=B, layers=L)
+    for parts in run_ranks(P, rank):
+        real = sum(parts.values())
+        assert {"slot_of", "holder"} <= {p.rsplit(".", 1)[-1] for p in parts}
+        assert real <= per * N + fixed <= real + slack(N, 2 * cfg.n_groups, nb, "pblru",
+                                                       extra=L * P * 8), (per, fixed, real)
+
+
+def test_start_up_check_refuses_exactly_past_the_formula(monkeypatch):
+    """``_check_memory`` charges the device exactly the GPU pool plus :func:`table_bytes`: one
+    byte less of free device memory refuses, that much passes (so sizing and the check agree)."""
+    import ulacache.space as space_mod
+
+    cfg = UlaCacheConfig(layout="tiny", row_bytes=8, n_layers=3, gpu_slots=500, cpu_slots=1500,
+                         n_buckets=16)
+    n = 4 * 500 + PAGE
+    tables = table_bytes(3, n_logical=n, gpu_slots=500, cpu_slots=1500, n_buckets=16)[1]
+    gpu_pool = 3 * 501 * 8
+    meta = torch.device("meta")  # a "device" distinct from the host, so the two are checked apart
+    monkeypatch.setattr(space_mod, "free_bytes",
+                        lambda dev: avail if dev.type == "meta" else None)
+    probe = object.__new__(AddressSpace)
+    probe.config, probe.device, probe.n_logical = cfg, meta, n
+    groups = [[0], [1], [2]]
+    avail = gpu_pool + tables
+    probe._check_memory(groups, engine_pools=False)
+    avail -= 1
+    with pytest.raises(CapacityExhausted, match="the mapping tables, claim table and policy state"):
+        probe._check_memory(groups, engine_pools=False)
+    avail = tables  # engine-owned pools (SGLang's kv_buffer) are not charged again
+    probe._check_memory(groups, engine_pools=True)
+
+
+def test_affine_rounding_is_an_upper_bound():
+    """``ceil_div`` bounds ``ceil(value / d)`` at every integer value of ``per x + fixed``."""
+    a = Affine(Fraction(5, 4), Fraction(64))
+    for x in range(0, 4000, 4):  # x a multiple of 4: the value is an integer
+        for d in (63, 1008, 64):
+            b = a.ceil_div(d)
+            assert -(-(5 * x // 4 + 64) // d) <= b.per * x + b.fixed
+
+
+def test_deepseek_v32_figures():
+    """The figures docs/sglang.md quotes: DeepSeek-V3.2 (61 layers, 61 selection groups),
+    cpu_ratio 4 (ratio 5), 64 buckets: 8,643 B of tables per GPU token in DP mode, against
+    SGLang's 80,276 B cell (656 B latent + 132 B index-K x 5, per layer); TP8 with the buffer
+    of 64 requests (64 x 2049 rows): 2,341 B per global token per rank."""
+    assert table_bytes_per_slot(61, ratio=5, page_size=64) == (8643, 2802798)
+    assert table_bytes_per_slot(61, ratio=5, page_size=64, tp_size=8,
+                                buffer_slots=64 * 2049, layers=61)[0] == 2341
+    assert table_bytes_per_slot(78, ratio=5, page_size=64)[0] == 11041  # GLM-5, 78 groups
+    assert table_bytes_per_slot(21, ratio=5, page_size=64)[0] == 3002  # GLM-5.2, 21 groups
+
+
+def test_bad_geometry_is_refused():
+    with pytest.raises(ConfigError, match="buffer_slots"):
+        table_bytes_per_slot(2, ratio=5, page_size=64, tp_size=2)
+    with pytest.raises(ConfigError, match="buffer_slots"):
+        table_bytes_per_slot(2, ratio=5, page_size=64, buffer_slots=8)
+    with pytest.raises(ConfigError, match="policy"):
+        table_bytes_per_slot(2, ratio=5, page_size=64, policy="fifo")

@@ -1,0 +1,143 @@
+"""Device bytes of the core's own tables (mapping, owners, free stacks, claim table, policy
+state; TP: buffer maps and gate tables), as a function of the pool size: what an engine's
+sizing charges per GPU slot (``patches/sglang_sizing.py``) and what
+:meth:`ulacache.space.AddressSpace._check_memory` checks at start-up; one formula for both.
+``tests/test_sizing.py`` holds it against the bytes real objects allocate."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+
+from .errors import ConfigError
+from .group import COUNTERS
+from .pblru import _HYPER, _SUPER, _WORD_BITS, POLICIES
+
+__all__ = ["Affine", "TPTables", "table_bytes", "table_bytes_per_slot"]
+
+
+@dataclass(frozen=True)
+class Affine:
+    """A length or a byte count as an affine function of a pool's slot count ``x``:
+    ``per * x + fixed`` (exact rationals; :func:`table_bytes` rounds up once at the end)."""
+
+    per: Fraction = Fraction(0)
+    fixed: Fraction = Fraction(0)
+
+    @staticmethod
+    def of(value: int | Affine) -> Affine:
+        """An ``int`` is a constant (a table whose length does not grow with the pool)."""
+        return value if isinstance(value, Affine) else Affine(Fraction(0), Fraction(value))
+
+    def __add__(self, other: int | Affine) -> Affine:
+        o = Affine.of(other)
+        return Affine(self.per + o.per, self.fixed + o.fixed)
+
+    __radd__ = __add__
+
+    def __mul__(self, k: int | Fraction) -> Affine:
+        return Affine(self.per * k, self.fixed * k)
+
+    __rmul__ = __mul__
+
+    def ceil_div(self, d: int) -> Affine:
+        """An upper bound of ``ceil(value / d)`` wherever the value is an integer:
+        ``(value + d - 1) / d``."""
+        return Affine(self.per / d, (self.fixed + d - 1) / d)
+
+
+def _policy_bytes(policy: str, n: Affine, n_buckets: int) -> Affine:
+    """Device bytes of one replacement policy over ``n`` slots (every tensor its constructor
+    allocates, :mod:`ulacache.pblru`)."""
+    if policy == "lru":  # stamp int64 [n + 1], _ids int64 [n], round_t
+        return 8 * (n + 1) + 8 * n + 8
+    if policy != "pblru":
+        raise ConfigError(f"no table sizes for policy {policy!r}; legal: {sorted(POLICIES)}")
+    rows = n_buckets + 3  # free, cold, n_b recent, current
+    supers = n.ceil_div(_WORD_BITS * _SUPER)  # n_super
+    hypers = supers.ceil_div(_HYPER)  # n_hyper
+    words = _SUPER * supers + _SUPER  # n_words (whole superblocks) + a scratch superblock
+    return (rows * words * (8 + 4)  # bits int64 and counts int32 [rows, n_words + 16]
+            + rows * 4 * (supers + 1) + rows * 4 * (hypers + 1)  # super/hyper_counts int32
+            + rows * 2 * 4  # row_counts int32 [rows, 2]
+            + 2 * 8 * (n + 1)  # round_of, epoch_of int64 [n + 1]
+            + 3 * 8  # round_t, epoch_t, entered
+            + 256 * 4 + 256 * 8 * 8  # the byte tables: popcount int32 [256], select int64 [256, 8]
+            + 8 * n_buckets + 2 * 8)  # _ring int64 [n_b], _head int64 [2]
+
+
+@dataclass(frozen=True)
+class TPTables:
+    """What a TP rank adds (:class:`ulacache.tp.TPAddressSpace`): ``n_global`` addresses of the
+    whole group, ``buffer_slots`` rows per buffer, ``ranks`` peers, ``layers`` layers."""
+
+    n_global: int | Affine
+    buffer_slots: int
+    ranks: int
+    layers: int
+
+
+def table_bytes(groups: int, *, n_logical: int | Affine, gpu_slots: int | Affine,
+                cpu_slots: int | Affine, n_buckets: int = 64, policy: str = "pblru",
+                tp: TPTables | None = None) -> tuple[int, int]:
+    """Device bytes of one rank's ulacache tables, ``(per_slot, fixed)``: a pool of ``x`` slots
+    takes at most ``per_slot * x + fixed`` bytes of device memory besides its row pools (the
+    GPU pools, engine-owned under SGLang, and the pinned host CPU pools are not counted).
+
+    Every length is an ``int`` or an :class:`Affine` in ``x`` (e.g. SGLang's ``n_logical =
+    ratio * x + page_size``); with constants only, ``per_slot`` is 0 and ``fixed`` is the total
+    (the start-up check, :meth:`AddressSpace._check_memory`). Word and superblock rounding is
+    bounded from above, and the sums are rounded up once, so the figure is >= what is
+    allocated and exceeds it by less than ``x`` bytes plus one superblock of policy words per
+    bucket row (``tests/test_sizing.py`` measures both on real objects).
+
+    Counted, per selection group (:class:`~ulacache.group.SelectionGroup`): the mapping
+    ``loc int64 [n + 1]``, ``gpu_owner int64 [G + 1]``, ``cpu_owner`` and the CPU free stack
+    ``int64 [C + 1]`` each, ``cpu_top``, the policy over ``G`` slots (PB-LRU's bucket tables
+    may be stacked in one arena per address space: the same bytes); per address space: the
+    shared claim table ``int64 [n + 1]`` and the counter table ``int64 [groups, 11]``. With
+    ``tp`` (per group, :class:`~ulacache.buffer.LocalBuffer`): ``slot_of int32 [N + 1]`` over
+    the *global* addresses, ``holder int64 [B + 1]``, a policy over ``B`` slots; per rank: the
+    buffers' shared claim table ``int64 [N + 1]``, the gate counters ``int64 [groups, 9]`` and
+    the CUDA peer pointer tables ``int64 [layers, ranks]``. Not counted: per-call scratch that
+    grows with the largest step (fused kernels' ``Scratch``), host mirrors of the counters.
+    """
+    n, G, C = Affine.of(n_logical), Affine.of(gpu_slots), Affine.of(cpu_slots)
+    group = (8 * (n + 1) + 8 * (G + 1) + 2 * 8 * (C + 1) + 8
+             + _policy_bytes(policy, G, n_buckets))
+    total = groups * group + 8 * (n + 1) + groups * len(COUNTERS) * 8
+    if tp is not None:
+        from .tp import TP_COUNTERS  # tp imports this module
+
+        N, B = Affine.of(tp.n_global), tp.buffer_slots
+        buffer = 4 * (N + 1) + 8 * (B + 1) + _policy_bytes(policy, Affine.of(B), n_buckets)
+        total = (total + groups * buffer + 8 * (N + 1) + groups * len(TP_COUNTERS) * 8
+                 + tp.layers * tp.ranks * 8)
+    return math.ceil(total.per), math.ceil(total.fixed)
+
+
+def table_bytes_per_slot(groups: int, *, ratio: int, page_size: int, n_buckets: int = 64,
+                         policy: str = "pblru", tp_size: int = 1, buffer_slots: int = 0,
+                         layers: int = 0) -> tuple[int, int]:
+    """:func:`table_bytes` of the geometry an engine builds from its GPU token count ``x``
+    (SGLang's ``max_total_num_tokens``): ``(per_slot, fixed)`` device bytes per rank.
+
+    DP (``tp_size`` 1): an :class:`AddressSpace` with ``gpu_slots = x``, ``cpu_slots = (ratio -
+    1) x`` and ``n_logical = ratio x + page_size`` (``ratio`` = logical tokens per GPU slot,
+    ``1 + cpu_ratio``). TP (``tp_size`` P): ``x`` is the group's global GPU token count; each
+    rank holds ``x / P`` own GPU slots, ``(ratio - 1) x / P`` CPU slots, a local address space
+    over ``ceil((ratio x + page_size) / P)`` positions, and ``buffer_slots`` buffer rows per
+    group over the global addresses (:class:`ulacache.tp.TPAddressSpace`; ``layers`` sizes its
+    peer pointer tables).
+    """
+    if tp_size < 1 or ratio < 1 or (tp_size > 1) != (buffer_slots > 0):
+        raise ConfigError(f"table_bytes_per_slot: ratio {ratio} and tp_size {tp_size} must be "
+                          f">= 1, with buffer_slots ({buffer_slots}) > 0 exactly in TP mode")
+    P = Fraction(tp_size)
+    x = Affine(Fraction(1))
+    n_global = ratio * x + page_size
+    tp = None if tp_size == 1 else TPTables(n_global, buffer_slots, tp_size, layers)
+    return table_bytes(groups, n_logical=n_global.ceil_div(tp_size) if tp else n_global,
+                       gpu_slots=x * (1 / P), cpu_slots=x * ((ratio - 1) / P),
+                       n_buckets=n_buckets, policy=policy, tp=tp)
