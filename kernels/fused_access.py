@@ -101,8 +101,8 @@ _interpreter_lock = threading.Lock()  # the interpreter's grid state is process-
 
 
 COUNTER_COLUMNS = {"accesses": 0, "gpu_hits": 1, "promotions": 2, "writebacks": 3,
-                   "placed": 4, "spills": 5, "access_overflow": 8, "place_overflow": 9,
-                   "invalid": 10}
+                   "placed": 4, "spills": 5, "released_gpu": 6, "released_cpu": 7,
+                   "access_overflow": 8, "place_overflow": 9, "invalid": 10}
 """Columns of ``ulacache.group.COUNTERS`` the kernels add to (a test holds them equal)."""
 
 if triton is not None:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from ulacache.group import SelectionGroup
+from ulacache.group import SelectionGroup, advance_policies
 from ulacache.kernels.fused_access import equivalence_state as state
-from ulacache.pblru import PBLRU
+from ulacache.pblru import PBLRUArena
 
 __all__ = ["make_twins", "state", "assert_same", "TwinDriver"]
 
@@ -20,9 +20,12 @@ def make_twins(n_layers: int = 2, n_logical: int = 400, gpu_slots: int = 64,
     """(reference, fused) groups with identical geometry and identical (zeroed) pools.
     ``hyper``: superblocks per PB-LRU hyper block (small values make small pools exercise
     every level of the fused victim search)."""
+    # each policy in its own one-policy arena, as an address space holds them: the fused
+    # twin starts rounds with the fused advance (TwinDriver.advance)
     twins = tuple(SelectionGroup(list(range(n_layers)), n_logical, gpu_slots, cpu_slots,
-                                 row_bytes, device, PBLRU(gpu_slots, n_buckets, device,
-                                                          hyper=hyper),
+                                 row_bytes, device,
+                                 PBLRUArena(1, gpu_slots, n_buckets, device,
+                                            hyper=hyper).policies[0],
                                  n_buckets, validate, access_path=path, **kw)
                   for path in ("torch", "fused"))
     assert twins[0].fused is None and twins[1].fused is not None
@@ -107,10 +110,14 @@ class TwinDriver:
         if not live:
             return
         pick = torch.tensor(live, dtype=torch.int64)[self._rand(len(live), n)].unique()
-        if hostile:
-            pick = torch.cat([pick, torch.tensor([-1, self.ref.n_logical + 2])])
+        if hostile:  # padding, out of range, a duplicate, a dead address
+            dead = sorted(set(range(self.ref.n_logical)) - self.live)[:1]
+            pick = torch.cat([pick, torch.tensor([-1, self.ref.n_logical + 2, *dead]),
+                              pick[self._rand(pick.numel(), 1)]])
+            pick = pick[torch.randperm(pick.numel(), generator=self.gen)]
         self.both(lambda g, a: g.release(a.to(g.device)), pick)
         self.live -= set(pick.tolist())
 
     def advance(self) -> None:
-        self.both(lambda g: g.policy.advance())
+        """A round start: the reference advances in torch, the fused twin in one launch."""
+        self.both(lambda g: advance_policies([g.policy], g.policy.arena, g.fused is not None))

@@ -4,6 +4,7 @@
     python tests/mutants.py tp         # only the TP-mode mutants (tests/test_tp.py)
     python tests/mutants.py fused      # only the fused-kernel mutants (test_fused_access.py)
     python tests/mutants.py fused_tp   # the fused TP gates (test_fused_tp.py)
+    python tests/mutants.py fused_round  # fused round start and release (test_fused_policy.py)
 
 Copies the repository to a temporary directory, applies each mutant below (one line of the core
 changed the way a tired engineer might), runs the core tests there twice with the derandomized
@@ -143,6 +144,35 @@ FUSED_TP_MUTANTS = [  # the fused TP gates and the striped own access, vs the to
     (FT, "tl.where(theirs & (bslot >= 0), G + 1 + bslot, -1))",
      "tl.where(theirs & (bslot >= 0), G + bslot, -1))", "fused TP: buffer rows off by one"),
 ]
+FP, FR = "kernels/fused_policy.py", "kernels/fused_release.py"
+FUSED_ROUND_TESTS = ["tests/test_fused_policy.py"]
+FUSED_ROUND_MUTANTS = [  # the fused round start and release, vs the torch policy and group
+    (FP, "ring = 2 + epoch_n % NB", "ring = 2 + epoch_t % NB",
+     "fused advance: a new epoch retires the newest row"),
+    (FP, "go = entered >= bucket_fill\n        epoch_n",
+     "go = entered > bucket_fill\n        epoch_n",
+     "fused advance: epoch boundary"),
+    (FP, "            tl.store(table + src * width + cols, tl.zeros_like(moved), mask=m)\n", "",
+     "fused advance: the source row is not cleared"),
+    (FP, "tl.store(sc + 2, tl.where(go, 0, entered))", "tl.store(sc + 2, entered)",
+     "fused advance: turnover not reset on a new epoch"),
+    (FP, "m = (cols < width) & move", "m = (cols < width - 1) & move",
+     "fused advance: the last column of a row is not moved"),
+    (FR, "first = inrange & (tl.load(claim + safe, mask=inrange, other=-1) == i)",
+     "first = inrange", "fused release: no dedup"),
+    (FR, "        tl.store(claim + safe, tl.full(safe.shape, NO_CLAIM, tl.int64), mask=first)\n",
+     "", "fused release: claim table left dirty"),
+    (FR, "on_cpu = drop & (phys >= G)", "on_cpu = drop & (phys > G)",
+     "fused release: CPU slot 0 is not freed"),
+    (FR, "rank = before + tl.cumsum(put.to(tl.int32), 0) - 1",
+     "rank = before + tl.cumsum(put.to(tl.int32), 0)", "fused release: push off by one"),
+    (FR, "mask=(b < pid) & (b < n_blocks)", "mask=(b <= pid) & (b < n_blocks)",
+     "fused release: block prefix counts its own block"),
+    (FR, "            tl.store(top0, tl.load(cpu_top))\n", "            pass\n",
+     "fused release: no stack pointer snapshot"),
+    (FR, "        tl.store(loc + safe, tl.full(safe.shape, -1, tl.int64), mask=drop)\n", "",
+     "fused release: released rows stay mapped"),
+]
 # Not listed: equivalent mutants (no observable change), e.g. PBLRU.touch moving a slot that is
 # already in the current bucket to the current bucket again (the bit and count moves cancel).
 
@@ -166,7 +196,8 @@ def main() -> int:
         suites = {"core": [(*m, TESTS) for m in MUTANTS],
                   "tp": [(*m, TP_TESTS) for m in TP_MUTANTS],
                   "fused": [(*m, FUSED_TESTS) for m in FUSED_MUTANTS],
-                  "fused_tp": [(*m, FUSED_TP_TESTS) for m in FUSED_TP_MUTANTS]}
+                  "fused_tp": [(*m, FUSED_TP_TESTS) for m in FUSED_TP_MUTANTS],
+                  "fused_round": [(*m, FUSED_ROUND_TESTS) for m in FUSED_ROUND_MUTANTS]}
         chosen = sys.argv[1:] or list(suites)
         if set(chosen) - set(suites):
             print(f"usage: python tests/mutants.py [{' | '.join(suites)}] ...")

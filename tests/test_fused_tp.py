@@ -42,6 +42,8 @@ def snapshot(space: TPAddressSpace) -> dict[str, torch.Tensor]:
                     f"b{gi}.hyper": p.hyper_counts[:, : p.n_hyper].clone(),
                     f"b{gi}.round_of": p.round_of.clone(), f"b{gi}.epoch_of": p.epoch_of.clone(),
                     f"b{gi}.entered": p.entered.clone(), f"b{gi}.claim": b._claim.clone(),
+                    f"b{gi}.epoch_t": p.epoch_t.clone(), f"b{gi}.round_t": p.round_t.clone(),
+                    f"b{gi}.counts": p.counts[:, : p.n_words].clone(),
                     f"storage{gi}": space.storage[gi][:, : space.gpu_slots].clone()})
         plan = space._plans[gi]
         if plan is not None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from .group import _NO_CLAIM, first_occurrence, new_claim_table
-from .pblru import make_policy
+from .pblru import ReplacementPolicy, make_policy
 from .pools import allocate
 
 
@@ -37,13 +37,15 @@ class LocalBuffer:
     """Metadata of ``n_slots`` buffer rows over global addresses ``[0, n_logical)``."""
 
     def __init__(self, n_logical: int, n_slots: int, device: torch.device,
-                 policy: str = "pblru", n_buckets: int = 64, claim: torch.Tensor | None = None):
+                 policy: str | ReplacementPolicy = "pblru", n_buckets: int = 64,
+                 claim: torch.Tensor | None = None):
         self.n_logical, self.n_slots, self.device = n_logical, n_slots, device
         # int32: a map over every global address, per group, is the buffer's largest table
         self.slot_of = allocate((n_logical + 1,), torch.int32, device, "the buffer map",
                                 fill=-1)
         self.holder = torch.full((n_slots + 1,), -1, dtype=torch.int64, device=device)
-        self.policy = make_policy(policy, n_slots, n_buckets, device)
+        self.policy = policy if isinstance(policy, ReplacementPolicy) else \
+            make_policy(policy, n_slots, n_buckets, device)
         # dedup scratch, shareable by every buffer of the rank (clean between calls)
         self._claim = new_claim_table(n_logical, device) if claim is None else claim
 

@@ -31,7 +31,7 @@ import torch
 from ulacache.kernels.dispatch import gather_rows, swap_rows
 
 from .errors import AddressError, CapacityExhausted, ConfigError, ShapeError
-from .pblru import PBLRU, ReplacementPolicy, make_policy
+from .pblru import PBLRU, PBLRUArena, ReplacementPolicy, make_policy
 from .pools import TierPools, allocate, resolve_device
 from .streams import capturing
 
@@ -89,6 +89,20 @@ def fused_kernels(path: str, device: torch.device, policy: ReplacementPolicy):
     if why and path == "fused":
         raise ConfigError(f"access_path 'fused': {why}")
     return None if why else fused_access
+
+
+def advance_policies(policies: list[ReplacementPolicy], arena: PBLRUArena | None,
+                     fused: bool) -> None:
+    """Start a round in every policy: one launch for a PB-LRU arena on the fused path
+    (:func:`ulacache.kernels.fused_policy.advance`), else each policy's own ``advance`` (the
+    reference; about 70 small ops per PB-LRU policy)."""
+    if fused and arena is not None:
+        from ulacache.kernels import fused_policy
+
+        fused_policy.advance(arena)
+        return
+    for p in policies:
+        p.advance()
 
 
 def add_counts(row: torch.Tensor, names: tuple[str, ...], values: dict[str, torch.Tensor]
@@ -178,6 +192,11 @@ class SelectionGroup:
         self.counters = counters
         kernels = fused_kernels(access_path, self.device, self.policy)
         self.fused = None if kernels is None else kernels.FusedAccess(self)
+        self.fused_release = None
+        if kernels is not None:
+            from ulacache.kernels.fused_release import FusedRelease
+
+            self.fused_release = FusedRelease(self)
 
     # -- helpers --------------------------------------------------------------------------
     def _count(self, **values: torch.Tensor) -> None:
@@ -487,15 +506,15 @@ class SelectionGroup:
         ``addrs int [n]``; ``-1`` and unmapped in-range entries are skipped (engines free whole
         pages). Validate on: out-of-range entries and duplicates raise :class:`AddressError`;
         off: they are skipped and counted (``invalid``)."""
-        flat = self._index_tensor(addrs, "release: addrs")
-        inrange, safe = self._range(flat)
+        if self.fused_release is not None:  # three launches, after the same checks
+            self._index_meta(addrs, "release: addrs")
+            if self._checking():
+                self._release_plan(addrs, check=True)
+            self.fused_release.run(addrs.reshape(-1).contiguous())
+            return
+        flat, inrange, safe, first, bad = self._release_plan(addrs, self._checking())
         phys = self.loc[safe]
         mapped = inrange & (phys >= 0)
-        first = self._first(safe, inrange)
-        bad = ((flat != -1) & ~inrange) | (inrange & ~first)
-        if self._checking() and bool(bad.any()):
-            raise AddressError(f"release: addrs hold duplicates or addresses out of range "
-                               f"[0, {self.n_logical}) (negative other than the -1 padding)")
         drop = first & mapped
         G = self.gpu_slots
         on_gpu = drop & (phys < G)
@@ -510,6 +529,18 @@ class SelectionGroup:
         self.policy.release(gslot)
         self.pools.push_cpu(cslot)
         self._count(released_gpu=on_gpu.sum(), released_cpu=on_cpu.sum(), invalid=bad.sum())
+
+    def _release_plan(self, addrs: torch.Tensor, check: bool):
+        """(flat, in range, safe, first occurrences, invalid entries) of a release; ``check``:
+        raise :class:`AddressError` on invalid entries (host sync)."""
+        flat = self._index_tensor(addrs, "release: addrs")
+        inrange, safe = self._range(flat)
+        first = self._first(safe, inrange)
+        bad = ((flat != -1) & ~inrange) | (inrange & ~first)
+        if check and bool(bad.any()):
+            raise AddressError(f"release: addrs hold duplicates or addresses out of range "
+                               f"[0, {self.n_logical}) (negative other than the -1 padding)")
+        return flat, inrange, safe, first, bad
 
     # -- invariants -----------------------------------------------------------------------
     def check_integrity(self, live: torch.Tensor | None = None) -> None:

@@ -26,7 +26,7 @@ import torch
 from .errors import ShapeError
 from .pools import resolve_device
 
-__all__ = ["ReplacementPolicy", "PBLRU", "ExactLRU", "POLICIES", "make_policy"]
+__all__ = ["ReplacementPolicy", "PBLRU", "PBLRUArena", "ExactLRU", "POLICIES", "make_policy"]
 
 _WORD_BITS = 63  # bits per int64 word: bit 63 unused, so +/- 2**b scatter-adds never overflow
 _SUPER = 16  # words per superblock (second level of the count hierarchy)
@@ -153,7 +153,8 @@ class PBLRU(ReplacementPolicy):
     """
 
     def __init__(self, n_slots: int, n_buckets: int = 64, device: torch.device | str = "cpu",
-                 bucket_fill: int | None = None, hyper: int = _HYPER):
+                 bucket_fill: int | None = None, hyper: int = _HYPER,
+                 arena: tuple[PBLRUArena, int] | None = None):
         if n_slots < 1 or n_buckets < 2:
             raise ShapeError("PBLRU needs n_slots >= 1 and n_buckets >= 2")
         self.n_slots, self.n_buckets = int(n_slots), int(n_buckets)
@@ -167,21 +168,18 @@ class PBLRU(ReplacementPolicy):
             raise ShapeError("PBLRU needs hyper >= 1")
         self.n_hyper = -(-self.n_super // self.hyper)
         self.current_row = self.n_buckets + 2
-        rows = self.n_buckets + 3
         i64 = dict(dtype=torch.int64, device=self.device)
-        self.bits = torch.zeros(rows, self.n_words + _SUPER, **i64)
-        self.counts = torch.zeros(rows, self.n_words + _SUPER, dtype=torch.int32,
-                                  device=self.device)
-        self.super_counts = torch.zeros(rows, self.n_super + 1, dtype=torch.int32,
-                                        device=self.device)
-        self.hyper_counts = torch.zeros(rows, self.n_hyper + 1, dtype=torch.int32,
-                                        device=self.device)
-        self.row_counts = torch.zeros(rows, 2, dtype=torch.int32, device=self.device)
+        tables = _bucket_tables(1, self.n_buckets, self.n_words, self.n_super, self.n_hyper,
+                                self.device) if arena is None else arena[0].tables
+        i = 0 if arena is None else arena[1]
+        # one policy's slice of each stacked table (an arena's, or its own of one)
+        self.bits, self.counts, self.super_counts, self.hyper_counts, self.row_counts, scalars \
+            = (t[i] for t in tables)
         self.round_of = torch.full((self.n_slots + 1,), _FREE, **i64)
         self.epoch_of = torch.full((self.n_slots + 1,), _FREE, **i64)
-        self.round_t = torch.zeros((), **i64)
-        self.epoch_t = torch.zeros((), **i64)
-        self.entered = torch.zeros((), **i64)  # slots that entered recency this epoch
+        # 0-dim views: in-place updates only, so an arena's stacked copy stays the state
+        self.round_t, self.epoch_t, self.entered = scalars[0], scalars[1], scalars[2]
+        self.arena = None if arena is None else arena[0]  # whose stacked tables these are
         self._popcount, self._select = _byte_tables(self.device)
         self._ring = torch.arange(1, self.n_buckets + 1, device=self.device)
         self._head = torch.tensor([0, 1], **i64)
@@ -364,6 +362,52 @@ class PBLRU(ReplacementPolicy):
             "hyper block counts != superblock counts"
         assert torch.equal(expected.row_counts[:, 0], self.row_counts[:, 0]), \
             "row totals != hyper block counts"
+
+
+def _bucket_tables(n: int, n_buckets: int, n_words: int, n_super: int, n_hyper: int,
+                   device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Zeroed state of ``n`` PB-LRU policies, stacked on dim 0 (see :class:`PBLRU`): bits,
+    counts, super_counts, hyper_counts, row_counts, and ``int64 [n, 3]`` scalars (round_t,
+    epoch_t, entered)."""
+    rows = n_buckets + 3
+    i32 = dict(dtype=torch.int32, device=device)
+    return (torch.zeros(n, rows, n_words + _SUPER, dtype=torch.int64, device=device),
+            torch.zeros(n, rows, n_words + _SUPER, **i32),
+            torch.zeros(n, rows, n_super + 1, **i32),
+            torch.zeros(n, rows, n_hyper + 1, **i32),
+            torch.zeros(n, rows, 2, **i32),
+            torch.zeros(n, 3, dtype=torch.int64, device=device))
+
+
+class PBLRUArena:
+    """``n`` PB-LRU policies of one geometry whose bucket tables and round scalars are slices
+    of stacked tensors (``tables``: each ``[n, ...]``, policy ``i`` owns index ``i``), so one
+    launch can start a round for all of them (:func:`ulacache.kernels.fused_policy.advance`)
+    where the torch path issues about 70 small ops per policy. An address space keeps one for
+    its selection groups (a TP rank one more for its buffers): every group has the same pool,
+    so the same geometry. The per-slot stamps stay per policy (a round start never reads them).
+    """
+
+    def __init__(self, n: int, n_slots: int, n_buckets: int = 64,
+                 device: torch.device | str = "cpu", bucket_fill: int | None = None,
+                 hyper: int = _HYPER):
+        if n < 1:
+            raise ShapeError("PBLRUArena needs at least one policy")
+        n_super = -(-int(n_slots) // (_WORD_BITS * _SUPER))  # PBLRU's geometry rule
+        self.device = resolve_device(device)
+        self.tables = _bucket_tables(n, int(n_buckets), n_super * _SUPER, n_super,
+                                     -(-n_super // max(1, int(hyper))), self.device)
+        self.policies = [PBLRU(n_slots, n_buckets, self.device, bucket_fill, hyper,
+                               arena=(self, i)) for i in range(n)]
+
+    def __len__(self) -> int:
+        return len(self.policies)
+
+    def advance(self) -> None:
+        """Start a round in every policy: the torch reference of the fused
+        :func:`ulacache.kernels.fused_policy.advance` (same signature, same result)."""
+        for p in self.policies:
+            p.advance()
 
 
 class ExactLRU(ReplacementPolicy):

@@ -22,8 +22,9 @@ import torch
 
 from .config import UlaCacheConfig
 from .errors import CapacityExhausted, ShapeError
-from .group import COUNTERS, SelectionGroup, new_claim_table
+from .group import COUNTERS, SelectionGroup, advance_policies, new_claim_table
 from .health import CounterMonitor
+from .pblru import PBLRUArena
 from .pools import free_bytes, resolve_device
 from .sizing import table_bytes
 from .streams import CoreStream
@@ -65,9 +66,13 @@ class AddressSpace:
         self.counter_table = torch.zeros(len(layer_groups), len(COUNTERS), dtype=torch.int64,
                                          device=self.device)
         claim = new_claim_table(n_logical, self.device)  # dedup scratch, shared by the groups
+        # PB-LRU state of every group stacked in one arena: a round start is one fused launch
+        self.policy_arena = PBLRUArena(len(layer_groups), config.gpu_slots, config.n_buckets,
+                                       self.device) if config.policy == "pblru" else None
         self.groups = [
             SelectionGroup(layers, n_logical, config.gpu_slots, config.cpu_slots,
-                           config.row_layout.row_bytes, self.device, config.policy,
+                           config.row_layout.row_bytes, self.device,
+                           self.policy_arena.policies[i] if self.policy_arena else config.policy,
                            config.n_buckets, config.validate,
                            None if gpu_storage is None else gpu_storage[i],
                            counters=self.counter_table[i], claim=claim,
@@ -152,8 +157,8 @@ class AddressSpace:
     def begin_round(self) -> None:
         """Start a scheduling round: every policy advances; overflow counters are polled."""
         with self.stream.scope():
-            for g in self.groups:
-                g.policy.advance()
+            advance_policies([g.policy for g in self.groups], self.policy_arena,
+                             self.groups[0].fused is not None)
             self.health.poll()
         self.round_serial += 1
 

@@ -49,8 +49,9 @@ from .address import local_position, owner_rank
 from .buffer import LocalBuffer
 from .config import UlaCacheConfig
 from .errors import AddressError, CapacityExhausted, ShapeError, UlaCacheError
-from .group import COUNTERS, add_counts, new_claim_table
+from .group import COUNTERS, add_counts, advance_policies, new_claim_table
 from .health import CounterMonitor
+from .pblru import PBLRUArena
 from .pools import resolve_device
 from .space import AddressSpace
 
@@ -170,8 +171,13 @@ class TPAddressSpace:
                                  else pools)
             self._peer_layers.append(per_layer)
         claim = new_claim_table(n_logical, self.device)  # dedup scratch, shared by buffers
-        self.buffers = [LocalBuffer(n_logical, B, self.device, config.policy, config.n_buckets,
-                                    claim=claim) for _ in groups]
+        # the buffers' PB-LRU state in one arena, like the groups': one launch starts a round
+        self.buffer_arena = PBLRUArena(len(groups), B, config.n_buckets, self.device) \
+            if config.policy == "pblru" else None
+        self.buffers = [LocalBuffer(n_logical, B, self.device,
+                                    self.buffer_arena.policies[i] if self.buffer_arena
+                                    else config.policy, config.n_buckets, claim=claim)
+                        for i in range(len(groups))]
         self.tp_counters = torch.zeros(len(groups), len(TP_COUNTERS), dtype=torch.int64,
                                        device=self.device)
         self._plans: list[_Plan | None] = [None] * len(groups)
@@ -267,8 +273,8 @@ class TPAddressSpace:
         costs no host sync), then advance every policy and buffer."""
         with self.stream.scope():
             self.peers.fence()
-            for b in self.buffers:
-                b.advance()
+            advance_policies([b.policy for b in self.buffers], self.buffer_arena,
+                             self._gates is not None)
         self.local.begin_round()
         with self.stream.scope():
             self.tp_health.poll()

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ulacache.group import COUNTERS, SelectionGroup
-from ulacache.pblru import PBLRU, ReplacementPolicy
+from ulacache.group import COUNTERS, SelectionGroup, advance_policies
+from ulacache.pblru import PBLRUArena, ReplacementPolicy
 
 _TIMED = ("touch", "victims", "advance", "release", "eligible")
 
@@ -69,13 +69,17 @@ class Residency:
     for lack of CPU room). ``validate`` is off, as in serving."""
 
     def __init__(self, policy: str, gpu_slots: int, n_logical: int, n_buckets: int = 64,
-                 device: torch.device | str = "cpu", bucket_fill: int | None = None):
-        if bucket_fill is not None:  # PB-LRU with another epoch pacing (0: one per round)
-            if policy != "pblru":
-                raise ValueError("bucket_fill is a PB-LRU setting")
-            policy = PBLRU(gpu_slots, n_buckets, device, bucket_fill=bucket_fill)
-        self.group = SelectionGroup([], n_logical, gpu_slots, n_logical, 16, device, policy,
-                                    n_buckets, validate=False)
+                 device: torch.device | str = "cpu", bucket_fill: int | None = None,
+                 access_path: str = "auto"):
+        if bucket_fill is not None and policy != "pblru":
+            raise ValueError("bucket_fill is a PB-LRU setting")
+        # PB-LRU lives in a one-policy arena, as a serving address space keeps it (the fused
+        # path starts a round in one launch); bucket_fill: another epoch pacing (0: per round)
+        self.arena = PBLRUArena(1, gpu_slots, n_buckets, device, bucket_fill) \
+            if policy == "pblru" else None
+        self.group = SelectionGroup([], n_logical, gpu_slots, n_logical, 16, device,
+                                    self.arena.policies[0] if self.arena else policy,
+                                    n_buckets, validate=False, access_path=access_path)
         self.clock = PolicyClock(self.group.policy)
         self.result = SimResult()
 
@@ -84,7 +88,7 @@ class Residency:
         return self.group.device
 
     def new_round(self) -> None:
-        self.group.policy.advance()
+        advance_policies([self.group.policy], self.arena, self.group.fused is not None)
 
     def place(self, addrs: torch.Tensor, chunk: int | None = None) -> None:
         """Place new addresses (a prefill), one round per ``chunk`` (default: half the GPU
