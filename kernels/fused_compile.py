@@ -1,11 +1,11 @@
-"""Compile every fused-access kernel for a GPU target without a GPU (ahead-of-time check).
+"""Compile every fused kernel for a GPU target without a GPU (ahead-of-time check).
 
 Triton's interpreter, which CI runs the kernels through on CPU, is permissive where the
 compiler is not (scalar vs block operands, atomics' element types, constexpr globals, loop
-bounds). This module records the exact launches one fused access, placement and translate
-would issue for a given group geometry, and compiles each of them with ``triton.compile`` down
-to a cubin for ``sm_90`` (H200) and ``sm_100`` (B300) using the ``ptxas`` bundled with Triton:
-no driver, no device.
+bounds). This module records the exact launches one fused access, placement, translate, TP
+gate set, round start and release would issue for a given group geometry, and compiles each of
+them with ``triton.compile`` down to a cubin for ``sm_90`` (H200) and ``sm_100`` (B300) using
+the ``ptxas`` bundled with Triton: no driver, no device.
 
     TRITON_INTERPRET=0 python -m ulacache.kernels.fused_compile [--arch 90 100]
 
@@ -35,8 +35,8 @@ _DTYPES = {torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int
 def record_launches(n_layers: int = 2, gpu_slots: int = 4096, row_bytes: int = 656,
                     shape: tuple[int, int] = (8, 256)) -> list[tuple]:
     """The (kernel, args, meta) of one fused access, one placement, one translate, one TP8
-    rank's own access and its gates on a CPU group of this geometry, recorded instead of
-    launched."""
+    rank's own access and its gates, a round start and a release on a CPU group of this
+    geometry, recorded instead of launched."""
     from ulacache.group import SelectionGroup
 
     from . import fused_access as fa
@@ -67,6 +67,13 @@ def record_launches(n_layers: int = 2, gpu_slots: int = 4096, row_bytes: int = 6
         gates.claim_first(addrs)
         gates.run(addrs, torch.empty(8, addrs.numel(), dtype=torch.int32), own,
                   torch.empty(addrs.shape, dtype=torch.int32), torch.zeros(9, dtype=torch.int64))
+        from ulacache.pblru import PBLRUArena
+
+        from . import fused_policy
+        from .fused_release import FusedRelease
+
+        fused_policy.advance(PBLRUArena(2, gpu_slots, 64))  # a round start
+        FusedRelease(group).run(addrs)
     finally:
         fa._launch = saved
     return calls

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from . import fused_access
-from .fused_access import _launch, triton
+from .fused_access import triton
 
 __all__ = ["advance", "LAUNCHES_PER_ADVANCE"]
 
@@ -96,10 +96,10 @@ def advance(arena) -> None:
     first = arena.policies[0]
     if any(p.bucket_fill != first.bucket_fill for p in arena.policies):
         raise ValueError("an arena's policies must share bucket_fill for the fused advance")
-    # the row widths are compile-time: one geometry per arena, and static loops unroll
-    _launch(_advance_kernel, (len(arena),), bits, counts, supc, hypc, rowc, scalars,
-            first.bucket_fill, WB=bits.shape[-1], WS=supc.shape[-1], WH=hypc.shape[-1],
-            NB=first.n_buckets, BLOCK=_BLOCK)
+    # the row widths are compile-time: one geometry per arena
+    fused_access._launch(_advance_kernel, (len(arena),), bits, counts, supc, hypc, rowc,
+                         scalars, first.bucket_fill, WB=bits.shape[-1], WS=supc.shape[-1],
+                         WH=hypc.shape[-1], NB=first.n_buckets, BLOCK=_BLOCK)
 
 
 def available(device: torch.device) -> bool:

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from .fused_access import COUNTER_COLUMNS, FusedAccess, Scratch, _launch, _pow2, triton
+from . import fused_access
+from .fused_access import COUNTER_COLUMNS, FusedAccess, Scratch, _pow2, triton
 
 __all__ = ["FusedRelease", "LAUNCHES_PER_RELEASE"]
 
@@ -126,11 +127,12 @@ class FusedRelease:
         cslot, block_push = self._scratch.get(n)
         grid = (-(-n // self.BLOCK),)
         N, G, C = g.n_logical, g.gpu_slots, g.cpu_slots
-        _launch(_r1_claim, grid, addrs, g._claim, n, N, BLOCK=self.BLOCK)
-        _launch(_r2_drop, grid, addrs, g._claim, g.loc, g.gpu_owner, g.cpu_owner, cslot,
-                block_push, g.pools.cpu_top, self._top0, g.counters, p.bits, p.counts,
-                p.super_counts, p.hyper_counts, p.row_counts, p.round_of, p.epoch_of,
-                p.round_t, p.epoch_t, n, N, G, C, self.w1, self.s1, self.h1,
-                NB=p.n_buckets, HY=p.hyper, BLOCK=self.BLOCK)
-        _launch(_r3_push, grid, cslot, block_push, g.pools.cpu_free, g.pools.cpu_top,
-                self._top0, n, grid[0], BP=_pow2(grid[0]), BLOCK=self.BLOCK)
+        launch = fused_access._launch  # looked up per call: fused_compile records launches
+        launch(_r1_claim, grid, addrs, g._claim, n, N, BLOCK=self.BLOCK)
+        launch(_r2_drop, grid, addrs, g._claim, g.loc, g.gpu_owner, g.cpu_owner, cslot,
+               block_push, g.pools.cpu_top, self._top0, g.counters, p.bits, p.counts,
+               p.super_counts, p.hyper_counts, p.row_counts, p.round_of, p.epoch_of,
+               p.round_t, p.epoch_t, n, N, G, C, self.w1, self.s1, self.h1,
+               NB=p.n_buckets, HY=p.hyper, BLOCK=self.BLOCK)
+        launch(_r3_push, grid, cslot, block_push, g.pools.cpu_free, g.pools.cpu_top,
+               self._top0, n, grid[0], BP=_pow2(grid[0]), BLOCK=self.BLOCK)
