@@ -10,6 +10,11 @@ knows nothing of ulacache, so one AROUND hook on ``DefaultPoolConfigurator.__ini
   in TP mode, the buffers' maps over the global addresses), per token and fixed, from
   :func:`ulacache.sizing.table_bytes_per_slot` (the formula the core's start-up check uses) for
   the selection groups the pool will build (SGLang's own top-k sharing pattern);
+* both modes: the coordinator's graph-stable output rows, ``int32 [R x steps, top_k]`` per
+  selection group plus ``int64 [R x steps]`` row ids (``sglang_coordinator``), fixed, for
+  ``R`` request slots: SGLang's own ceiling of ``max_num_reqs`` (``--max-running-requests``
+  per attention-DP worker when given, else 4,096, the most its estimate picks) plus its
+  padding row;
 * DP mode: the pool's tail page (64 rows per layer beyond SGLang's padding page);
 * TP mode: ``ceil(latent / P)`` per token instead of the latent (each rank holds ``N / P`` own
   rows of the ``N`` global GPU tokens) and the rows per layer around them (sink page, scratch,
@@ -27,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ulacache.sizing import table_bytes_per_slot
+from ulacache.sizing import coordinator_output_bytes, table_bytes_per_slot
 
 from . import sglang_tp_support as tps
 from .sglang_pool import MODEL_SKIPS, layer_groups_from_skip, sglang_options
@@ -99,15 +104,37 @@ def pool_configurator_init_around(original_fn, self, kvc, *args, **kwargs):
     per_token, fixed = table_bytes_per_slot(
         len(groups), ratio=opts.host_to_device_ratio, page_size=page, n_buckets=opts.n_buckets,
         policy=opts.policy, tp_size=P, buffer_slots=B, layers=layers)
+    top_k = getattr(getattr(kvc.model_config, "hf_text_config", None), "index_topk", None)
+    outputs = coordinator_output_bytes(len(groups), request_slots(kvc),
+                                       int(top_k or tps.DEFAULT_TOP_K), tps.draft_tokens())
     self._cell_size += per_token
-    self._fixed_overhead_bytes += fixed + rows_bytes
+    self._fixed_overhead_bytes += fixed + rows_bytes + outputs
     logger.info(
         "ulacache sizing (%s, %d rank(s)): %d selection group(s) over %d layers; cell %d -> %d B "
         "per GPU token (ulacache tables %d B%s); fixed overhead +%.1f MiB (tables %.1f MiB, %s "
-        "%.1f MiB)", opts.mode, P, len(groups), layers, stock_cell, self._cell_size, per_token,
-        ", latent 1/P" if P > 1 else "", (fixed + rows_bytes) / 2**20, fixed / 2**20,
+        "%.1f MiB, coordinator output rows %.1f MiB)", opts.mode, P, len(groups), layers,
+        stock_cell, self._cell_size, per_token, ", latent 1/P" if P > 1 else "",
+        (fixed + rows_bytes + outputs) / 2**20, fixed / 2**20,
         f"{B} buffer rows + sink, scratch, padding per layer" if P > 1 else "tail page",
-        rows_bytes / 2**20)
+        rows_bytes / 2**20, outputs / 2**20)
+
+
+MAX_ESTIMATED_REQUESTS = 4096
+"""SGLang 0.5.23's ceiling on its own ``max_num_reqs`` estimate without
+``--max-running-requests`` (``kv_cache_configurator.py:3123-3132``)."""
+
+
+def request_slots(kvc) -> int:
+    """Rows of SGLang's ``req_to_token`` this worker will have, at most (sizing runs before
+    SGLang settles ``max_num_reqs``): the per-worker ``--max-running-requests`` when given,
+    else SGLang's estimate ceiling; plus the padding row 0."""
+    from sglang.srt.runtime_context import get_schedule
+
+    given = get_schedule().max_running_requests
+    if given:
+        return max(1, int(given) // max(1, int(getattr(kvc, "attn_dp_size", 1) or 1))) + 1
+    return MAX_ESTIMATED_REQUESTS + 1
+
 
 
 SIZING_HOOKS: dict[str, tuple[Any, str]] = {

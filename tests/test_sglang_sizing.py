@@ -33,6 +33,8 @@ pytestmark = pytest.mark.sglang
 AVAIL = 8 << 20  # the byte budget SGLang's profiler would hand the configurator
 LAYERS, ROW, INDEX_K, RATIO, BUCKETS, P, MAX_REQS, TOP_K = 4, 160, 132, 5, 8, 4, 4, 32
 GROUPS = [[0, 1], [2], [3]]
+# the coordinator's int32 [R, top_k] rows per group + int64 [R] row ids, R = MAX_REQS + 1
+OUTPUTS = len(GROUPS) * (MAX_REQS + 1) * TOP_K * 4 + (MAX_REQS + 1) * 8
 
 _CHILD = textwrap.dedent(f"""
     import json, sys, types, torch
@@ -122,7 +124,8 @@ def test_dp_cell_grows_by_the_tables_of_the_real_groups(sized):
     per, fixed = table_bytes_per_slot(len(GROUPS), ratio=RATIO, page_size=64,
                                       n_buckets=BUCKETS)
     assert dp["cell"] - stock["cell"] == per > 0
-    assert dp["fixed"] - stock["fixed"] == fixed + 64 * LAYERS * ROW  # + the tail page
+    # + the tail page + the coordinator's output rows (R = MAX_REQS + padding row, 1 step)
+    assert dp["fixed"] - stock["fixed"] == fixed + 64 * LAYERS * ROW + OUTPUTS
     assert dp["tokens"] * dp["cell"] + dp["fixed"] <= AVAIL
     assert dp["tokens"] < stock["tokens"]
 
@@ -153,6 +156,6 @@ def test_tp_cell_charges_one_pth_of_the_latent_the_buffer_and_the_tables(sized):
                                       layers=LAYERS)
     latent = LAYERS * ROW
     assert tp["cell"] - stock["cell"] == per - (latent - -(-latent // P))
-    assert tp["fixed"] - stock["fixed"] == fixed + (B + 2 * 64) * LAYERS * ROW
+    assert tp["fixed"] - stock["fixed"] == fixed + (B + 2 * 64) * LAYERS * ROW + OUTPUTS
     assert 0 < tp["tokens"] * tp["cell"] + tp["fixed"] <= AVAIL
     assert tp["tokens"] % 64 == 0

@@ -14,7 +14,8 @@ from .errors import ConfigError
 from .group import COUNTERS
 from .pblru import _HYPER, _SUPER, _WORD_BITS, POLICIES
 
-__all__ = ["Affine", "TPTables", "table_bytes", "table_bytes_per_slot"]
+__all__ = ["Affine", "TPTables", "table_bytes", "table_bytes_per_slot",
+           "coordinator_output_bytes"]
 
 
 @dataclass(frozen=True)
@@ -141,3 +142,12 @@ def table_bytes_per_slot(groups: int, *, ratio: int, page_size: int, n_buckets: 
     return table_bytes(groups, n_logical=n_global.ceil_div(tp_size) if tp else n_global,
                        gpu_slots=x * (1 / P), cpu_slots=x * ((ratio - 1) / P),
                        n_buckets=n_buckets, policy=policy, tp=tp)
+
+
+def coordinator_output_bytes(groups: int, slots: int, top_k: int, draft_tokens: int) -> int:
+    """Device bytes of the SGLang coordinator's graph-stable outputs
+    (``patches/sglang_coordinator.py``): ``int32 [slots x steps, top_k]`` rows per selection
+    group and ``int64 [slots x steps]`` row ids, ``steps = max(1, draft_tokens)``; ``slots``
+    counts SGLang's request slots including its padding row."""
+    rows = slots * max(1, int(draft_tokens))
+    return groups * rows * int(top_k) * 4 + rows * 8
