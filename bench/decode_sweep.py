@@ -29,11 +29,14 @@ SIMULATION + COST MODEL, NOT A GPU MEASUREMENT. What is real and what is modelle
   request reserves input + output tokens; admission is FCFS, head of line blocks.
 - **Step time** (model) = control plane + PCIe + attention (+ ``--other-ms`` per step):
   control plane: per-launch cost model, ``--launch-us`` (default 2 us, an assumed CUDA-graph
-  node cost) x launches per layer per step; ulacache's launches are COUNTED: the aten ops of one
-  real ``Residency.step`` (round start, placement of the new tokens, access) at the dispatcher,
-  views excluded (``--ula-launches`` overrides); HiSparse ``--hs-launches`` (2: its swap-in
-  kernel and the previous-token backup); resident 0. A what-if column re-times ulacache with its
-  access fused to ``--ula-fused-launches`` (4, docs/fused-access.md; built, not yet timed on a GPU).
+  node cost) x launches per step; ulacache's launches are COUNTED on the real core
+  (:func:`count_launches`): one round start (all groups), then per group the placement of the
+  new tokens and the access, plus a release on steps where requests finished, each counted once
+  on a small real group on the path ``--ula-path`` runs: ``fused`` (the default on CUDA, and
+  here: Triton launches, run by the interpreter, plus any op outside them) or ``torch`` (aten
+  ops at the dispatcher, views excluded). Both are shape-independent (fixed-shape code), so a
+  small group counts what a large one issues; the other path's figures are reported too.
+  HiSparse ``--hs-launches`` (2: its swap-in kernel and the previous-token backup); resident 0.
   ``--control measured`` uses this machine's measured CPU time of the policy's access instead,
   x layers (a CPU figure, not a GPU one); PCIe: max(H2D, D2H) bytes /
   ``--pcie-gbs`` (full duplex; default 50 GB/s, the H200 copy-engine figure rounded down);
@@ -85,8 +88,8 @@ POLICIES = ("ulacache", "hisparse", "resident")
 CSV_COLUMNS = ("concurrency", "policy", "admitted_mean", "admitted_max", "steps",
                "gpu_hit_rate", "h2d_mb_per_step", "d2h_mb_per_step", "pcie_mb_per_step",
                "control_ms", "pcie_ms", "attn_ms", "step_ms", "tokens_per_s",
-               "cpu_ctl_ms_per_step", "overflow", "finished", "ula_ops_per_group_step",
-               "ula_syncs_per_group_step", "step_ms_fused", "tokens_per_s_fused")
+               "cpu_ctl_ms_per_step", "overflow", "finished", "ula_launches_per_step",
+               "step_ms_other_path", "tokens_per_s_other_path", "tokens_per_s_pcie_hidden")
 HIST_BINS = 20
 
 
@@ -276,8 +279,7 @@ class Config:
     steps: int = 128
     pcie_gbs: float = 50.0
     launch_us: float = 2.0  # per kernel node in a CUDA-graph replay (assumed)
-    ula_launches: int = 0  # per group-step; 0: counted from the real core's aten ops
-    ula_fused_launches: int = 4  # what-if: docs/fused-access.md (built; GPU time unmeasured)
+    ula_path: str = "fused"  # whose launches are counted: "fused" (CUDA default) | "torch"
     hs_launches: int = 2  # swap-in kernel + previous-token backup
     control: str = "launch"  # or "measured"
     heads: int = 128
@@ -302,21 +304,70 @@ def capacity_ok(policy: str, cfg: Config, running: int, reserved: int, req: Requ
     raise ValueError(policy)
 
 
+def count_launches(path: str, groups: int, k: int = 64, batch: int = 4) -> dict[str, int]:
+    """Device launches of ulacache's decode-step control plane on ``path`` (``"fused"`` or
+    ``"torch"``), counted on a small real core: ``round`` (one round start of ``groups``
+    PB-LRU policies in an arena, as an address space holds them), and per group ``place``
+    (``batch`` new tokens), ``access`` (``[batch, k]`` selections) and ``release`` (a finished
+    request's addresses); ``syncs``: host-syncing ops among them. Fused: Triton launches (the
+    interpreter runs them on CPU) plus every aten op outside them; torch: aten ops, views
+    excluded. Neither depends on the sizes (fixed-shape code; tests hold the fused counts)."""
+    from ulacache.group import advance_policies
+    from ulacache.pblru import PBLRUArena
+
+    fused = path == "fused"
+    if fused:
+        from ulacache.kernels import fused_access
+        if not fused_access.available():
+            raise SystemExit("--ula-path fused counts the Triton kernels: pip install "
+                             "'ulacache[cuda]' (or run --ula-path torch)")
+    res = Residency("pblru", 4096, 16384, 8, access_path=path)
+    g = res.group
+    g.place(torch.arange(6000))
+    res.new_round()
+    sel = torch.randint(0, 6000, (batch, k), generator=torch.Generator().manual_seed(0))
+    arena = PBLRUArena(groups, 64, 8)
+    new = torch.arange(6000, 6000 + batch)
+    calls = {
+        "round": lambda: advance_policies(arena.policies, arena, fused),
+        "place": lambda: g.place(new),
+        "access": lambda: g.access(sel),
+        "release": lambda: g.release(new),
+    }
+    out, syncs = {}, 0
+    for name, call in calls.items():
+        before = fused_access.launch_count() if fused else 0
+        with OpCounter(skip_launches=fused) as oc:
+            call()
+        out[name] = oc.launches + (fused_access.launch_count() - before if fused else 0)
+        syncs += oc.syncs
+    out["syncs"] = syncs
+    return out
+
+
 _NO_KERNEL = ("view", "squeeze", "expand", "slice", "select", "alias", "detach", "as_strided",
-              "scalar_tensor", "permute", "transpose", "reshape", "aten.t.")
+              "scalar_tensor", "permute", "transpose", "reshape", "aten.t.", "empty")
 _SYNCS = ("nonzero", "_local_scalar_dense", "item")
 
 
 class OpCounter(TorchDispatchMode):
     """Counts aten ops at the dispatcher: ``launches`` (ops other than views and scalar
-    wrappers: each a kernel launch on a GPU) and ``syncs`` (ops that need the host on a GPU)."""
+    wrappers: each a kernel launch on a GPU) and ``syncs`` (ops that need the host on a GPU).
+    ``skip_launches``: ops issued inside a fused Triton launch (the interpreter's own work on
+    CPU) are not counted; the launch itself is, by the caller."""
 
-    def __init__(self):
+    def __init__(self, skip_launches: bool = False):
         super().__init__()
         self.launches = self.syncs = 0
+        self.skip = skip_launches
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func)
+        if self.skip:
+            from ulacache.kernels import fused_access
+
+            if fused_access.in_launch():
+                return func(*args, **(kwargs or {}))
         if not any(x in name for x in _NO_KERNEL):
             self.launches += 1
         if any(x in name for x in _SYNCS):
@@ -341,9 +392,19 @@ def attention_seconds(cfg: Config, n_selected: int) -> float:
     return max(flops / (cfg.attn_tflops * 1e12), rbytes / (cfg.hbm_tbs * 1e12))
 
 
+def ula_control_seconds(cfg: Config, counts: dict[str, int], finished: bool) -> float:
+    """Modelled control-plane time of one ulacache decode step from launch ``counts``
+    (:func:`count_launches`): a round start, placement + access per group (one group per
+    layer), a release per group when requests finished."""
+    per_group = counts["place"] + counts["access"] + (counts["release"] if finished else 0)
+    return (counts["round"] + cfg.layers * per_group) * cfg.launch_us * 1e-6
+
+
 def run_level(policy: str, concurrency: int, cfg: Config, requests: list[Request],
-              model: LocalityModel) -> dict:
-    """Simulate ``cfg.steps`` decode steps of ``policy`` with at most ``concurrency`` running."""
+              model: LocalityModel, counts: dict[str, dict[str, int]] | None = None) -> dict:
+    """Simulate ``cfg.steps`` decode steps of ``policy`` with at most ``concurrency`` running.
+    ``counts``: ulacache's launch counts per path (``{"fused": ..., "torch": ...}``, from
+    :func:`count_launches`; the path ``cfg.ula_path`` times the step, the other is reported)."""
     pending = deque(requests)
     waiting: deque[Request] = deque()
     running: list[_Live] = []
@@ -352,11 +413,13 @@ def run_level(policy: str, concurrency: int, cfg: Config, requests: list[Request
     ula = None
     free_addrs = None
     if policy == "ulacache":
+        counts = counts or {path: count_launches(path, cfg.layers) for path in ("fused", "torch")}
         ula = Residency("pblru", cfg.gpu_rows, cfg.gpu_rows + cfg.host_rows, cfg.buckets)
         free_addrs = list(range(cfg.gpu_rows + cfg.host_rows - 1, -1, -1))
     tot = dict(acc=0, hit=0, h2d=0, d2h=0, ctl=0.0, pcie=0.0, attn=0.0, step=0.0, tokens=0,
-               cpu=0.0, overflow=0, finished=0, admitted=[], steps=0, ula_ops=None, ula_syncs=0,
-               ctl_fused=0.0, step_fused=0.0)
+               cpu=0.0, overflow=0, finished=0, admitted=[], steps=0, launches=0,
+               step_other=0.0)
+    other_path = "torch" if cfg.ula_path == "fused" else "fused"
     for _ in range(cfg.steps):
         while pending and pending[0].arrival_s <= now:
             waiting.append(pending.popleft())
@@ -389,12 +452,7 @@ def run_level(policy: str, concurrency: int, cfg: Config, requests: list[Request
             for i, (lv, s) in enumerate(zip(running, sels)):
                 batch[i, : s.size] = torch.from_numpy(lv.addrs[s])
             new = torch.from_numpy(np.array([lv.addrs[lv.pos] for lv in running]))
-            if tot["ula_ops"] is None:  # count the real core's ops once per level
-                with OpCounter() as oc:
-                    ula.step(new, batch, timed=False)
-                tot["ula_ops"], tot["ula_syncs"] = oc.launches, oc.syncs
-            else:  # (the counted step's CPU time includes the counting overhead)
-                ula.step(new, batch, timed=False)
+            ula.step(new, batch, timed=False)
             d = dict(zip(COUNTERS, (ula.group.counters - before).tolist()))
             acc, hit = d["accesses"], d["gpu_hits"]
             h2d_rows = d["promotions"]
@@ -410,14 +468,18 @@ def run_level(policy: str, concurrency: int, cfg: Config, requests: list[Request
         else:
             acc = hit = n_sel
         cpu = time.perf_counter() - t0
-        if cfg.control == "measured":
-            ctl = cpu * cfg.layers
+        # this step's finished requests are released at the next round start (below)
+        finishing = any(lv.left <= 1 for lv in running)
+        ctl_other = 0.0
+        if ula is not None:
+            ctl = ula_control_seconds(cfg, counts[cfg.ula_path], finishing)
+            ctl_other = ula_control_seconds(cfg, counts[other_path], finishing)
+            tot["launches"] += round(ctl / (cfg.launch_us * 1e-6))
         else:
-            launches = {"ulacache": cfg.ula_launches or tot["ula_ops"],
-                        "hisparse": cfg.hs_launches}.get(policy, 0)
-            ctl = cfg.layers * launches * cfg.launch_us * 1e-6
-        ctl_fused = cfg.layers * cfg.ula_fused_launches * cfg.launch_us * 1e-6 if ula else ctl
-        tot["ctl_fused"] += ctl_fused
+            ctl = cfg.layers * (cfg.hs_launches if policy == "hisparse" else 0) \
+                * cfg.launch_us * 1e-6
+        if cfg.control == "measured":
+            ctl = ctl_other = cpu * cfg.layers
         h2d = h2d_rows * cfg.row_bytes * cfg.layers
         d2h = d2h_rows * cfg.row_bytes * cfg.layers
         pcie = max(h2d, d2h) / (cfg.pcie_gbs * 1e9)
@@ -430,7 +492,7 @@ def run_level(policy: str, concurrency: int, cfg: Config, requests: list[Request
                        ("tokens", len(running))):
             tot[key] += v
         tot["steps"] += 1
-        tot["step_fused"] += step - ctl + ctl_fused
+        tot["step_other"] += step - ctl + (ctl_other if ula is not None else ctl)
         still, done = [], []
         for lv in running:
             lv.pos += 1
@@ -460,21 +522,27 @@ def run_level(policy: str, concurrency: int, cfg: Config, requests: list[Request
         "attn_ms": tot["attn"] / s * 1e3, "step_ms": tot["step"] / s * 1e3,
         "tokens_per_s": tot["tokens"] / max(1e-12, tot["step"]),
         "cpu_ctl_ms_per_step": tot["cpu"] / s * 1e3, "overflow": tot["overflow"],
-        "finished": tot["finished"], "ula_ops_per_group_step": tot["ula_ops"] or 0,
-        "ula_syncs_per_group_step": tot["ula_syncs"],
-        "step_ms_fused": tot["step_fused"] / s * 1e3,
-        "tokens_per_s_fused": tot["tokens"] / max(1e-12, tot["step_fused"]),
+        "finished": tot["finished"],
+        "ula_launches_per_step": tot["launches"] / s if ula is not None else 0.0,
+        "step_ms_other_path": tot["step_other"] / s * 1e3,
+        "tokens_per_s_other_path": tot["tokens"] / max(1e-12, tot["step_other"]),
+        # bound: every transfer hidden behind compute (no policy here prefetches; see docs)
+        "tokens_per_s_pcie_hidden": tot["tokens"] / max(1e-12, tot["step"] - tot["pcie"]),
     }
 
 
 def sweep(cfg: Config, levels: list[int], requests: list[Request], model: LocalityModel,
           policies=POLICIES, progress: bool = True) -> dict:
+    counts = {path: count_launches(path, cfg.layers) for path in ("fused", "torch")} \
+        if "ulacache" in policies else {}
+    for path, c in counts.items():
+        logger.info("ulacache launches on the %s path: %s", path, c)
     jobs = [(c, p) for c in levels for p in policies]
     bar = tqdm(jobs, desc="decode sweep", disable=not progress) if tqdm else jobs
     rows = []
     for c, p in bar:
         t0 = time.perf_counter()
-        rows.append(run_level(p, c, cfg, requests, model))
+        rows.append(run_level(p, c, cfg, requests, model, counts))
         logger.info("concurrency %d %s: %.1f s", c, p, time.perf_counter() - t0)
     peak = {p: max((r["tokens_per_s"] for r in rows if r["policy"] == p), default=0.0)
             for p in policies}
@@ -483,13 +551,19 @@ def sweep(cfg: Config, levels: list[int], requests: list[Request], model: Locali
         for other in ("hisparse", "resident"):
             if peak.get(other):
                 ratios[f"ulacache/{other}"] = peak["ulacache"] / peak[other]
-    if "ulacache" in peak:  # what-if: ulacache's access fused to ula_fused_launches per group
-        fused = max(r["tokens_per_s_fused"] for r in rows if r["policy"] == "ulacache")
+    hidden = {p: max((r["tokens_per_s_pcie_hidden"] for r in rows if r["policy"] == p),
+                     default=0.0) for p in policies}
+    if "ulacache" in hidden:  # an upper bound, for both policies alike (see the column)
+        for other in ("hisparse", "resident"):
+            if hidden.get(other):
+                ratios[f"ulacache_pcie_hidden/{other}"] = hidden["ulacache"] / hidden[other]
+    if "ulacache" in peak:  # the same sweep timed with the other path's launch counts
+        alt = max(r["tokens_per_s_other_path"] for r in rows if r["policy"] == "ulacache")
         for other in ("hisparse", "resident"):
             if peak.get(other):
-                ratios[f"ulacache_fused/{other}"] = fused / peak[other]
+                ratios[f"ulacache_other_path/{other}"] = alt / peak[other]
     return {"config": asdict(cfg), "locality": model.to_dict(), "levels": levels, "rows": rows,
-            "peak_tokens_per_s": peak, "peak_ratios": ratios}
+            "peak_tokens_per_s": peak, "peak_ratios": ratios, "ula_launch_counts": counts}
 
 
 # -- output -------------------------------------------------------------------------------
@@ -520,21 +594,29 @@ def markdown(res: dict) -> str:
     peak = ", ".join(f"{p} {v:,.0f}" for p, v in res["peak_tokens_per_s"].items())
     lines.append(f"Peak decode tokens/s: {peak}")
     rat = ", ".join(f"{k} x{v:.2f}" for k, v in res["peak_ratios"].items()
-                    if not k.startswith("ulacache_fused"))
+                    if "_" not in k.split("/")[0])
     lines.append(f"Peak-throughput ratios: {rat}")
-    ula = [r for r in res["rows"] if r["policy"] == "ulacache"]
-    if ula:
-        fz = ", ".join(f"{k.split('/')[1]} x{v:.2f}" for k, v in res["peak_ratios"].items()
-                       if k.startswith("ulacache_fused"))
-        lines.append(
-            f"ulacache control plane: {ula[0]['ula_ops_per_group_step']} kernel launches per "
-            f"group-step (aten ops of the real core, views excluded; "
-            f"{ula[0]['ula_syncs_per_group_step']} of them nonzero/item ops, which would sync "
-            f"a GPU) x "
-            f"{cfg['layers']} groups x {cfg['launch_us']} us"
-            + (f" (overridden: {cfg['ula_launches']})" if cfg["ula_launches"] else ""))
-        lines.append(f"What-if, access fused to {cfg['ula_fused_launches']} launches per group "
-                     f"(docs/fused-access.md; built, not yet timed on a GPU): ulacache/{fz}")
+    hid = ", ".join(f"{k.split('/')[1]} x{v:.2f}" for k, v in res["peak_ratios"].items()
+                    if k.startswith("ulacache_pcie_hidden"))
+    if hid:
+        lines.append(f"Bound if every PCIe transfer hid behind compute, for every policy alike "
+                     f"(nothing here prefetches; lookahead prefetch is not built): ulacache/{hid}")
+    counts = res.get("ula_launch_counts") or {}
+    if counts:
+        path = cfg["ula_path"]
+        other = "torch" if path == "fused" else "fused"
+
+        def desc(c: dict) -> str:
+            return (f"round start {c['round']} (all {cfg['layers']} groups), per group: place "
+                    f"{c['place']}, access {c['access']}, release {c['release']}"
+                    + (f"; {c['syncs']} host-syncing ops" if c["syncs"] else ""))
+
+        lines.append(f"ulacache control plane, {path} path (counted on the real core, "
+                     f"{cfg['launch_us']} us per launch): {desc(counts[path])}")
+        alt = ", ".join(f"{k.split('/')[1]} x{v:.2f}" for k, v in res["peak_ratios"].items()
+                        if k.startswith("ulacache_other_path"))
+        lines.append(f"The same sweep on the {other} path ({desc(counts[other])}): "
+                     f"ulacache/{alt}")
     return "\n".join(lines) + "\n"
 
 
@@ -580,7 +662,7 @@ def write_outputs(res: dict, out: Path, png: bool = True) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     d = Config()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--levels", default="8,16,32,64", help="concurrency limits")
+    ap.add_argument("--levels", default="8,16,32,64,96,128", help="concurrency limits")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--requests", type=int, default=2000, help="first N Mooncake requests")
     ap.add_argument("--mooncake", default=str(MOONCAKE))
@@ -589,12 +671,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-input", type=int, default=None, help="cap input lengths")
     ap.add_argument("--max-output", type=int, default=None, help="cap output lengths")
     for name in ("k", "layers", "row_bytes", "gpu_rows", "host_rows", "h_slots", "buckets",
-                 "steps", "ula_launches", "ula_fused_launches", "hs_launches", "heads", "d_qk",
-                 "d_v", "seed"):
+                 "steps", "hs_launches", "heads", "d_qk", "d_v", "seed"):
         ap.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     for name in ("pcie_gbs", "launch_us", "attn_tflops", "hbm_tbs", "other_ms"):
         ap.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
     ap.add_argument("--control", choices=("launch", "measured"), default=d.control)
+    ap.add_argument("--ula-path", choices=("fused", "torch"), default=d.ula_path,
+                    help="whose counted launches time ulacache's steps (the other is reported)")
     ap.add_argument("--out", default=None, help="output dir (default: a new temp dir)")
     ap.add_argument("--no-png", action="store_true")
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")

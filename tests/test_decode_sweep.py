@@ -102,7 +102,19 @@ def test_tiered_policies_miss_when_history_exceeds_gpu(model):
     rows = {p: ds.run_level(p, 16, cfg, _requests(), model) for p in ds.POLICIES}
     assert rows["resident"]["gpu_hit_rate"] == 1.0 and rows["resident"]["pcie_mb_per_step"] == 0
     assert rows["hisparse"]["gpu_hit_rate"] < 1.0 and rows["hisparse"]["h2d_mb_per_step"] > 0
-    assert rows["ulacache"]["ula_ops_per_group_step"] > 0
+    assert rows["ulacache"]["ula_launches_per_step"] > 0
+
+
+def test_launch_counts_are_the_real_paths():
+    """The fused path's counts are its kernels (1 round start for all groups; 4 + 4 + 3 per
+    group), the torch path's its aten ops (dozens per group); neither syncs the host."""
+    fused = ds.count_launches("fused", 61)
+    assert fused == {"round": 1, "place": 4, "access": 4, "release": 3, "syncs": 0}
+    torch_path = ds.count_launches("torch", 61)
+    assert torch_path["round"] > 61 * 10 and torch_path["access"] > 100
+    cfg = ds.Config(layers=61, launch_us=2.0)
+    assert ds.ula_control_seconds(cfg, fused, False) == pytest.approx((1 + 61 * 8) * 2e-6)
+    assert ds.ula_control_seconds(cfg, fused, True) == pytest.approx((1 + 61 * 11) * 2e-6)
 
 
 def test_deterministic_with_seed(model):
