@@ -13,15 +13,40 @@ Systems, on P = 8 GPUs (per rank ``D`` bytes of GPU KV budget, ``H_host`` bytes 
   SGLang's cell ``lat + idx * x`` (index-K for every logical token on the GPU), an inclusive host
   mirror of ``x G`` tokens (every token's latent on the host), per-request device buffers of
   ``device_buffer_size + page`` slots carved from the device pool. Unique = ``x G``. Under pure
-  TP8 every rank holds the same pools (replicated).
+  TP8 every rank holds the same pools (replicated). SGLang 0.5.23 charges HiSparse nothing
+  beyond that cell (no fixed overhead), so ``G`` is the pool a user gets.
 - **ulacache DP** (exclusive tiers, ``cpu_ratio`` c): ``G`` GPU + ``c G`` CPU latent rows, each
-  token in exactly one; cell ``lat + idx * (1 + c)``. Unique = ``(1 + c) G``. One decode step's
-  selections must fit the GPU pool: ``R x draft x (top_k + 1) <= G``.
+  token in exactly one. SGLang's cell as the sizing hook makes it (``patches/sglang_sizing.py``):
+  ``lat + idx * (1 + c) + T``, ``T`` = ulacache's own device tables per GPU slot (mapping,
+  owners, free stacks, claim table, PB-LRU state: :func:`ulacache.sizing.table_bytes_per_slot`
+  itself, 64 buckets, one selection group per layer: neither preset shares top-k); fixed: the
+  tables' fixed bytes + the pool's tail page (``64 x lat``) + the coordinator's output rows
+  (below). Unique = ``(1 + c) G``. One decode step's selections must fit the GPU pool:
+  ``R x draft x (top_k + 1) <= G``.
 - **ulacache TP** (``patches/sglang_tp_support.py``): one address space striped over the 8
   ranks; per rank per global GPU token ``ceil(lat / P)`` plus index-K ``idx * (1 + c)``
-  (replicated, what ships) or ``/ P`` (sharded, not built under SGLang); plus a fixed local
-  buffer of ``(B + 65) x layers x row`` bytes, ``B = R x draft x (top_k + 1)`` rows (raised to a
-  prefill's peer share ``S - ceil(S / P)`` when that is larger, else the prefill is refused).
+  (replicated, what ships) or ``/ P`` (sharded, not built under SGLang) plus the rank's tables
+  per global token (``table_bytes_per_slot`` in TP mode: its stripe's tables and the buffers'
+  maps over every global address); fixed: the tables' fixed bytes (buffer holders and PB-LRU
+  state over ``B`` slots per group) + ``(B + 128) x lat`` (sink page, scratch, ``B`` buffer
+  rows, padding to a page, per layer) + the coordinator's output rows (below),
+  ``B = R x draft x (top_k + 1)`` rows (raised to a prefill's peer share ``S - ceil(S / P)``
+  when that is larger, else the prefill is refused).
+- **ulacache coordinator output rows** (both modes, fixed, as the sizing hook charges them):
+  :func:`ulacache.sizing.coordinator_output_bytes` itself, ``groups x (R + 1) x steps x top_k x
+  4 + (R + 1) x steps x 8`` bytes per rank (``int32 [top_k]`` per selection group and an
+  ``int64`` id per row, ``steps = max(1, draft)``, ``R + 1`` request slots: padding row
+  included). ``R`` is ``--max-running-requests`` per attention worker (per rank in DP8, per
+  group in TP8): ``Inputs.running`` (``--running``, 64) in the capacity columns; in the
+  concurrency columns the admitted count itself (a launch admitting ``R`` requests per worker
+  needs ``--max-running-requests >= R``), so, like the TP buffer, the charge grows with ``R``.
+
+Device memory SGLang does not charge (it comes out of the ``1 - mem_fraction_static``
+headroom; ``uncharged_gpu_bytes`` in the JSON, per GPU, beyond what stock resident SGLang
+allocates uncharged too): HiSparse's logical-to-device mapping (``int64`` per logical token) and
+logical page list, and its coordinator's per-request-slot tables (per layer ``D + 64`` slots of
+two ``int32`` maps and ``D`` ``int16`` LRU entries, a host map over the context length);
+ulacache's logical page list (``int64`` per logical page).
 
 Ratios (x, c) are integers, as the launch flags, within the host budget. Capacity columns take
 the ratio with the most unique tokens whose GPU pool still holds one request of the longest
@@ -34,6 +59,7 @@ Also printed: the paper's two capacity figures (UlaCache §2.2.1, Figure 2) reco
     python bench/capacity.py                      # table (stdout), docs/capacity.png
     python bench/capacity.py --json --png ''      # one JSON object, no PNG
     python bench/capacity.py --static-gb h200=125 --host-gb h200=256 --weights-gb glm5=89
+    python bench/capacity.py --running 128        # --max-running-requests per worker: 128
 """
 
 from __future__ import annotations
@@ -44,10 +70,12 @@ import logging
 import math
 import sys
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 from pathlib import Path
 
+from ulacache.config import SGLangOptions
 from ulacache.oracle.refmodel import ModelGeometry
+from ulacache.sizing import coordinator_output_bytes, table_bytes_per_slot
 
 logger = logging.getLogger("bench.capacity")
 
@@ -56,6 +84,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LENGTHS = (32768, 65536, 131072)  # 32K, 64K, 128K history tokens per request
 PAGE = 64  # SGLang's DSA page size: pools are rounded down to whole pages
 MAX_RATIO = 1024  # highest host_to_device_ratio / cpu_ratio tried (ulacache's config bound)
+ULA = SGLangOptions()  # ulacache's defaults under SGLang: 64 PB-LRU buckets
 
 
 @dataclass(frozen=True)
@@ -84,6 +113,8 @@ PLATFORMS = {
 WEIGHTS_GB = {"glm5": 744 / 8, "dsv32": 685 / 8}
 MODELS = {"glm5": ("GLM-5", ModelGeometry.glm5), "dsv32": ("DeepSeek-V3.2",
                                                            ModelGeometry.deepseek_v32)}
+# max_position_embeddings (SGLang's context_len): sizes the request slots' per-token tables
+CONTEXT_LEN = {"glm5": 202752, "dsv32": 163840}
 SYSTEMS = ("sglang_dp", "sglang_tp", "hisparse_dp", "hisparse_tp", "ulacache_dp",
            "ulacache_tp_repl", "ulacache_tp_shard")
 LABELS = {"sglang_dp": "SGLang DP8", "sglang_tp": "SGLang TP8", "hisparse_dp": "HiSparse DP8",
@@ -104,7 +135,10 @@ class Inputs:
     gpus: int = 8
     device_buffer: int = 4096  # HiSparse device_buffer_size (default 2 x top_k)
     draft_tokens: int = 1  # tokens per request per step (1: no speculative decoding)
-    tp_running: int = 64  # max_running_requests sizing the TP buffer in the capacity columns
+    # --max-running-requests per attention worker (per rank in DP8, per group in TP8) in the
+    # capacity columns: sizes the ulacache coordinator's output rows (both modes) and the TP
+    # buffer; the concurrency columns charge the admitted count instead
+    running: int = 64
     min_gpu_tokens: int = max(LENGTHS)  # capacity columns: the GPU pool must hold one request
 
     @cached_property
@@ -130,6 +164,17 @@ class Inputs:
     def top_k(self) -> int:
         return self.geometry.index_topk
 
+    @cached_property
+    def layers(self) -> int:
+        return self.geometry.n_layers
+
+    @cached_property
+    def groups(self) -> int:
+        """ulacache's selection groups: one per indexer (``layers_per_indexer`` 1 for both
+        presets, so one per layer: what ``layer_groups_from_skip`` builds with no top-k
+        sharing)."""
+        return self.geometry.n_groups
+
 
 def _pages(n: float) -> int:
     """Tokens rounded down to whole pages (SGLang's ``calculate_pool_sizes``), never negative."""
@@ -150,27 +195,72 @@ def hisparse_pool(inp: Inputs, x: int) -> int:
     return _pages(min(gpu, host))
 
 
-def ulacache_dp_pool(inp: Inputs, c: int) -> int:
-    """ulacache GPU pool G per rank (tokens) at ``cpu_ratio`` c: cell ``lat + idx * (1 + c)``
-    (index-K for every logical token), capped so the CPU tier ``c G lat`` fits the host."""
-    gpu = inp.kv_bytes // (inp.lat + inp.idx * (1 + c))
+@cache
+def _tables(groups: int, ratio: int, tp_size: int = 1, buffer_slots: int = 0,
+            layers: int = 0) -> tuple[int, int]:
+    """ulacache's table bytes ``(per GPU slot, fixed)`` per rank: the SGLang sizing hook's own
+    call (:func:`ulacache.sizing.table_bytes_per_slot`, the defaults of ``--ulacache-config``)."""
+    return table_bytes_per_slot(groups, ratio=ratio, page_size=PAGE, n_buckets=ULA.n_buckets,
+                                policy=ULA.policy, tp_size=tp_size, buffer_slots=buffer_slots,
+                                layers=layers)
+
+
+def coordinator_outputs(inp: Inputs, running: int | None = None) -> int:
+    """Bytes per rank of the ulacache coordinator's graph-stable output rows, as the sizing hook
+    charges them: :func:`ulacache.sizing.coordinator_output_bytes` for every selection group
+    over ``running + 1`` request slots (``--max-running-requests`` per worker + SGLang's padding
+    row; ``running`` defaults to ``inp.running``)."""
+    r = inp.running if running is None else running
+    return coordinator_output_bytes(inp.groups, r + 1, inp.top_k, inp.draft_tokens)
+
+
+def ulacache_dp_charge(inp: Inputs, c: int, running: int | None = None) -> tuple[int, int]:
+    """``(cell, fixed)`` SGLang's configurator has under the sizing hook in DP mode at
+    ``cpu_ratio`` c (``patches/sglang_sizing.py``): cell ``lat + idx (1 + c)`` (index-K for every
+    logical token) + the tables per GPU slot; fixed: the tables' fixed bytes + the tail page +
+    the coordinator's output rows for ``running`` requests (:func:`coordinator_outputs`)."""
+    per, fixed = _tables(inp.groups, 1 + c)
+    return (inp.lat + inp.idx * (1 + c) + per,
+            fixed + PAGE * inp.lat + coordinator_outputs(inp, running))
+
+
+def ulacache_tp_charge(inp: Inputs, c: int, buffer_rows: int, shard_index: bool = False,
+                       running: int | None = None) -> tuple[int, int]:
+    """``(cell, fixed)`` per rank under the sizing hook in TP mode, per global GPU token:
+    ``ceil(lat / P)`` + index-K (``idx (1 + c)``; ``/ P`` when sharded, not built under SGLang) +
+    the rank's tables; fixed: the tables' fixed bytes + ``(B + 2 x page)`` rows per layer (sink
+    page, scratch, ``B`` buffer rows, padding to a page) + the coordinator's output rows for
+    ``running`` requests (:func:`coordinator_outputs`)."""
+    P = inp.gpus
+    per, fixed = _tables(inp.groups, 1 + c, P, buffer_rows, inp.layers)
+    index = inp.idx * (1 + c)
+    cell = math.ceil(inp.lat / P) + (math.ceil(index / P) if shard_index else index) + per
+    return cell, (fixed + (buffer_rows + 2 * PAGE) * inp.lat
+                  + coordinator_outputs(inp, running))
+
+
+def ulacache_dp_pool(inp: Inputs, c: int, running: int | None = None) -> int:
+    """ulacache GPU pool G per rank (tokens) at ``cpu_ratio`` c: SGLang's
+    ``(D - fixed) // cell`` under the sizing hook (:func:`ulacache_dp_charge`, ``running``
+    requests per rank), capped so the CPU tier ``c G lat`` fits the host."""
+    cell, fixed = ulacache_dp_charge(inp, c, running)
+    gpu = max(inp.kv_bytes - fixed, 0) // cell
     host = inp.host_bytes // (c * inp.lat) if c else gpu
     return _pages(min(gpu, host))
 
 
-def ulacache_tp_pool(inp: Inputs, c: int, buffer_rows: int, shard_index: bool) -> int:
-    """ulacache TP: N, the group's global GPU tokens (each rank owns N / P). Per rank per global
-    GPU token ``ceil(lat / P)`` + index-K (``idx (1 + c)``, or ``/ P`` when sharded); the local
-    buffer ``(B + 65) x lat`` is fixed overhead (the sizing hook's rule)."""
-    P = inp.gpus
-    index = inp.idx * (1 + c)
-    cell = math.ceil(inp.lat / P) + (math.ceil(index / P) if shard_index else index)
-    avail = inp.kv_bytes - (buffer_rows + 65) * inp.lat
+def ulacache_tp_pool(inp: Inputs, c: int, buffer_rows: int, shard_index: bool,
+                     running: int | None = None) -> int:
+    """ulacache TP: N, the group's global GPU tokens (each rank owns N / P): SGLang's
+    ``(D - fixed) // cell`` under the sizing hook (:func:`ulacache_tp_charge`, ``running``
+    requests), capped so each rank's ``c N / P`` CPU rows fit its host."""
+    cell, fixed = ulacache_tp_charge(inp, c, buffer_rows, shard_index, running)
+    avail = inp.kv_bytes - fixed
     if avail <= 0:
         return 0
     n = avail // cell
     if c:
-        n = min(n, P * (inp.host_bytes // (c * inp.lat)))  # each rank's CPU rows: c N / P
+        n = min(n, inp.gpus * (inp.host_bytes // (c * inp.lat)))  # each rank's CPU rows: c N / P
     return _pages(n)
 
 
@@ -190,8 +280,10 @@ class Point:
     unique: int  # unique history tokens the system can hold
     gpu_slots: int  # latent token rows on GPUs (TP buffer rows included: they are copies)
     cpu_slots: int  # latent token rows in host memory
-    gpu_bytes: int  # GPU KV bytes allocated (latent + index-K + buffers)
+    gpu_bytes: int  # GPU bytes SGLang's sizing charges (latent, index-K, buffers, tables,
+    #                 coordinator output rows)
     host_bytes: int
+    pool: int = 0  # SGLang's max_total_num_tokens per rank (G; ulacache TP: N)
 
 
 def _ratios(first: int, pool, min_pool: int):
@@ -215,41 +307,65 @@ def _best(points):
     return max(points, key=lambda p: (p[0], -(p[1] or 0)), default=(0, None))
 
 
+def _most_requests(ratios, bound, fits) -> tuple[int, int | None]:
+    """The most requests ``R`` with ``fits(R, c)`` over ``c`` in ``ratios`` and the lowest ratio
+    that admits them (the first ratio when none admits one; ``(0, None)`` when there is none).
+    ``bound(c)`` is an upper bound on ``R`` at ``c``; ``fits(R, c)`` must only turn false as
+    ``R`` grows (the charges grow with ``R``: buffer rows, output rows), so a binary search
+    finds the largest ``R``."""
+    best, best_c = 0, None
+    for c in ratios:
+        if best_c is None:
+            best_c = c
+        hi = bound(c)
+        if hi <= best or not fits(best + 1, c):  # this ratio cannot beat the best so far
+            continue
+        lo = best + 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid, c) else (lo, mid - 1)
+        best, best_c = lo, c
+    return best, best_c
+
+
 def capacity(inp: Inputs, system: str) -> Point:
     """Unique history capacity of ``system`` (ratio chosen for the most unique tokens)."""
     P = inp.gpus
     if system in ("sglang_dp", "sglang_tp"):
         n = resident_pool(inp)
         unique = P * n if system == "sglang_dp" else n  # TP: every rank holds the same tokens
-        return Point(None, unique, P * n, 0, P * n * (inp.lat + inp.idx), 0)
+        return Point(None, unique, P * n, 0, P * n * (inp.lat + inp.idx), 0, n)
     if system in ("hisparse_dp", "hisparse_tp"):
         x = _pick(1, lambda r: r * hisparse_pool(inp, r),
                   lambda r: hisparse_pool(inp, r), inp.min_gpu_tokens)
         g = hisparse_pool(inp, x)
         unique = (P if system == "hisparse_dp" else 1) * x * g
         return Point(x, unique, P * g, P * x * g, P * g * (inp.lat + inp.idx * x),
-                     P * x * g * inp.lat)
+                     P * x * g * inp.lat, g)
     if system == "ulacache_dp":
         c = _pick(0, lambda r: (1 + r) * ulacache_dp_pool(inp, r),
                   lambda r: ulacache_dp_pool(inp, r), inp.min_gpu_tokens)
         g = ulacache_dp_pool(inp, c)
-        return Point(c, P * (1 + c) * g, P * g, P * c * g,
-                     P * g * (inp.lat + inp.idx * (1 + c)), P * c * g * inp.lat)
+        cell, fixed = ulacache_dp_charge(inp, c)
+        return Point(c, P * (1 + c) * g, P * g, P * c * g, P * (g * cell + fixed),
+                     P * c * g * inp.lat, g)
     if system in ("ulacache_tp_repl", "ulacache_tp_shard"):
         shard = system == "ulacache_tp_shard"
-        b = tp_buffer_rows(inp, inp.tp_running)
+        b = tp_buffer_rows(inp, inp.running)
         c = _pick(0, lambda r: (1 + r) * ulacache_tp_pool(inp, r, b, shard),
                   lambda r: ulacache_tp_pool(inp, r, b, shard), inp.min_gpu_tokens)
         n = ulacache_tp_pool(inp, c, b, shard)
-        index = inp.idx * (1 + c) * n // (P if shard else 1)  # per rank
-        gpu = P * (math.ceil(inp.lat / P) * n + index + (b + 65) * inp.lat)
-        return Point(c, (1 + c) * n, n + P * b, c * n, gpu, c * n * inp.lat)
+        cell, fixed = ulacache_tp_charge(inp, c, b, shard)
+        return Point(c, (1 + c) * n, n + P * b, c * n, P * (n * cell + fixed), c * n * inp.lat,
+                     n)
     raise ValueError(f"unknown system {system!r}")
 
 
 def max_requests(inp: Inputs, system: str, history: int) -> tuple[int, int | None]:
     """Largest number of concurrent requests of ``history`` tokens each, system-wide, and the
-    ratio that admits it. DP: per-rank admission x P (a request lives on one rank)."""
+    ratio that admits it. DP: per-rank admission x P (a request lives on one rank). ulacache is
+    charged for the admitted count itself (``--max-running-requests`` >= it per worker: the
+    output rows, and in TP the buffer), not for ``inp.running``."""
     P, S = inp.gpus, history
     if system in ("sglang_dp", "sglang_tp"):
         n = resident_pool(inp)
@@ -263,38 +379,76 @@ def max_requests(inp: Inputs, system: str, history: int) -> tuple[int, int | Non
             r = min(x * g // S, g // (inp.device_buffer + PAGE))  # buffers from the device pool
             pts.append((scale * r, x))
         return _best(pts)
+    step = inp.draft_tokens * (inp.top_k + 1)  # GPU rows one request's decode step selects
     if system == "ulacache_dp":
-        pts = []
-        # a prefill's tokens must fit the GPU pool in its round
-        for c in _ratios(0, lambda r: ulacache_dp_pool(inp, r), S):
-            g = ulacache_dp_pool(inp, c)
-            r = min((1 + c) * g // S, g // (inp.draft_tokens * (inp.top_k + 1)))
-            pts.append((P * r, c))
-        return _best(pts)
+        # per rank, with R running requests per rank charged: a prefill's tokens fit the GPU
+        # pool in its round, R requests' history fits both tiers, one step's selections the pool
+        def fits_dp(r: int, c: int) -> bool:
+            g = ulacache_dp_pool(inp, c, r)
+            return g >= S and r * S <= (1 + c) * g and r * step <= g
+
+        def pool0(c: int) -> int:  # the least charge (no running request): an upper bound
+            return ulacache_dp_pool(inp, c, 0)
+
+        r, c = _most_requests(_ratios(0, pool0, S),
+                              lambda c: min((1 + c) * pool0(c) // S, pool0(c) // step), fits_dp)
+        return P * r, c
     if system in ("ulacache_tp_repl", "ulacache_tp_shard"):
         shard = system == "ulacache_tp_shard"
 
         def fits(r: int, c: int) -> bool:
-            n = ulacache_tp_pool(inp, c, tp_buffer_rows(inp, r, S), shard)
+            n = ulacache_tp_pool(inp, c, tp_buffer_rows(inp, r, S), shard, r)
             own = n // P
-            return (r * S <= (1 + c) * n and math.ceil(S / P) <= own
-                    and own * P >= r * inp.draft_tokens * (inp.top_k + 1))
+            return r * S <= (1 + c) * n and math.ceil(S / P) <= own and own * P >= r * step
 
-        best, best_c = 0, None
-        for c in _ratios(0, lambda r: ulacache_tp_pool(inp, r, tp_buffer_rows(inp, 0, S), shard),
-                         S):
-            if best_c is None:
-                best_c = c
-            hi = (1 + c) * ulacache_tp_pool(inp, c, tp_buffer_rows(inp, 0, S), shard) // S
-            if hi <= best or not fits(best + 1, c):  # this ratio cannot beat the best so far
-                continue
-            lo = best + 1
-            while lo < hi:  # feasibility only shrinks as R grows (the buffer grows with R)
-                mid = (lo + hi + 1) // 2
-                lo, hi = (mid, hi) if fits(mid, c) else (lo, mid - 1)
-            best, best_c = lo, c
-        return best, best_c
+        def pool_tp0(c: int) -> int:  # the least charge (no running request): an upper bound
+            return ulacache_tp_pool(inp, c, tp_buffer_rows(inp, 0, S), shard, 0)
+
+        return _most_requests(_ratios(0, pool_tp0, S), lambda c: (1 + c) * pool_tp0(c) // S,
+                              fits)
     raise ValueError(f"unknown system {system!r}")
+
+
+# -- device memory SGLang does not charge ------------------------------------------------------
+def sglang_request_slots(inp: Inputs, tokens: int) -> int:
+    """Request slots per rank (``req_to_token`` rows) of a launch without
+    ``--max-running-requests`` (SGLang 0.5.23 ``KVCacheConfigurator.resolve_max_num_reqs``):
+    ``tokens / context_len x 512`` clamped to 2048..4096, at most ``tokens // 2``; + slot 0."""
+    est = max(min(int(tokens / CONTEXT_LEN[inp.model] * 512), 4096), 2048)
+    return min(est, tokens // 2) + 1
+
+
+def uncharged(inp: Inputs, system: str, ratio: int | None, tokens: int) -> dict | None:
+    """Device bytes per GPU that SGLang's sizing does not charge (they come out of the
+    ``1 - mem_fraction_static`` headroom), beyond what stock resident SGLang leaves uncharged
+    too (``req_to_token``, its page list over the device pool): ``fixed + per_request_slot x
+    request slots``. ``None`` for resident SGLang.
+
+    HiSparse (``allocator/hisparse.py``, ``HiSparseCoordinator.__init__``): the mapping
+    ``full_to_hisparse_device_index_mapping`` ``int64 [x G + page + 1]`` and the logical page
+    list ``int64 [x G / page]``; per request slot ``req_device_buffer_tokens`` and ``_token_locs``
+    ``int32 [L, D + page]`` each, ``lru_slots`` ``int16 [L, D]``, ``req_to_device_buffer``
+    ``int64 [D + page]``, ``req_to_host_pool`` ``int64 [context + 4 + page]`` and two
+    ``int32 [top_k]`` outputs, at SGLang's default request slots. ulacache
+    (``patches/sglang_allocator.py``): the logical page list ``int64 [(1 + c) G / page]``, and
+    nothing per request slot: the coordinator's output rows are charged by the sizing hook
+    (:func:`coordinator_outputs`; ``request_slots`` reports the ``running + 1`` it charges);
+    the fused path's per-call scratch, which grows with the largest step, is not counted.
+    ``tokens``: SGLang's ``max_total_num_tokens`` (G; ulacache TP: N)."""
+    if system.startswith("sglang"):
+        return None
+    logical = ratio * tokens if system.startswith("hisparse") else (1 + ratio) * tokens
+    fixed = 8 * (logical // PAGE)
+    if system.startswith("hisparse"):
+        D, L = inp.device_buffer, inp.layers
+        fixed += 8 * (logical + PAGE + 1)
+        per_slot = (2 * 4 * L * (D + PAGE) + 2 * L * D + 8 * (D + PAGE)
+                    + 8 * (CONTEXT_LEN[inp.model] + 4 + PAGE) + 2 * 4 * inp.top_k)
+        slots = sglang_request_slots(inp, tokens)
+    else:
+        per_slot, slots = 0, inp.running + 1  # output rows: charged (coordinator_outputs)
+    return {"fixed": fixed, "per_request_slot": per_slot, "request_slots": slots,
+            "total": fixed + per_slot * slots}
 
 
 # -- the paper's two figures -------------------------------------------------------------------
@@ -354,7 +508,7 @@ def run(args: argparse.Namespace) -> dict:
                 kv_gb = static[plat] - weights[model]
                 inp = Inputs(model, layout, plat, int(kv_gb * GB), int(host[plat] * GB),
                              device_buffer=args.device_buffer, draft_tokens=args.draft_tokens,
-                             tp_running=args.tp_running,
+                             running=args.running,
                              min_gpu_tokens=max(args.lengths))
                 logger.info("%s %s %s: KV budget %.2f GB/GPU, host %.0f GB/GPU", plat, model,
                             layout, kv_gb, host[plat])
@@ -374,14 +528,25 @@ def run(args: argparse.Namespace) -> dict:
                                                if cap.host_bytes else None),
                         "max_requests": {str(S): r for S, (r, _) in conc.items()},
                         "ratio_at": {str(S): x for S, (_, x) in conc.items()},
+                        # per GPU, at the capacity ratio (HiSparse: SGLang's default request
+                        # slots)
+                        "uncharged_gpu_bytes": uncharged(inp, system, cap.ratio, cap.pool),
                     })
     assumptions = {
         "accounting": "arithmetic on the stated inputs, not measurement",
         "gb": "1e9 bytes", "gpus": 8, "page": PAGE, "lengths": list(args.lengths),
         "static_gb_per_gpu": static, "host_gb_per_gpu": host, "weights_gb_per_gpu": weights,
         "device_buffer_size": args.device_buffer, "draft_tokens": args.draft_tokens,
-        "tp_running_requests": args.tp_running, "index_key_B": 132,
+        "running_requests": args.running, "index_key_B": 132,
         "latent_row_B": {"fp8": 656, "bf16": 1152},
+        "ulacache_tables": {"source": "ulacache.sizing.table_bytes_per_slot (the SGLang sizing "
+                            "hook's charge)", "n_buckets": ULA.n_buckets, "policy": ULA.policy,
+                            "selection_groups": "one per layer (no top-k sharing modelled)"},
+        "ulacache_coordinator_outputs": {
+            "source": "ulacache.sizing.coordinator_output_bytes (charged by the sizing hook)",
+            "request_slots": "running + 1 in the capacity columns, admitted R + 1 per worker "
+                             "in the concurrency columns"},
+        "context_len": CONTEXT_LEN,
     }
     return {"assumptions": assumptions, "paper_checks": paper_checks(), "rows": rows}
 
@@ -392,7 +557,8 @@ def print_table(res: dict) -> None:
           f"weights FP8 ~1 B/param / 8 GPUs: {a['weights_gb_per_gpu']}")
     hdr = (f"{'system':<25}{'ratio':>6}{'unique M':>10}{'GPU slots M':>12}{'CPU slots M':>12}"
            f"{'unique%':>8}{'tok/GB GPU':>11}{'tok/GB host':>12}"
-           + "".join(f"{'req@' + str(S // 1024) + 'K':>9}" for S in a["lengths"]))
+           + "".join(f"{'req@' + str(S // 1024) + 'K':>9}" for S in a["lengths"])
+           + f"{'unchg GB':>10}")
     key = None
     for r in res["rows"]:
         if (r["platform"], r["model"], r["layout"]) != key:
@@ -411,7 +577,16 @@ def print_table(res: dict) -> None:
               f"{r['gpu_latent_slots'] / 1e6:>12.2f}{r['cpu_latent_slots'] / 1e6:>12.2f}"
               f"{100 * r['unique_fraction']:>7.1f}%{r['tokens_per_gpu_gb']:>11.0f}"
               + (f"{r['tokens_per_host_gb']:>12.0f}" if r["tokens_per_host_gb"] else f"{'-':>12}")
-              + "".join(f"{r['max_requests'][str(S)]:>9}" for S in a["lengths"]))
+              + "".join(f"{r['max_requests'][str(S)]:>9}" for S in a["lengths"])
+              + (f"{r['uncharged_gpu_bytes']['total'] / GB:>10.2f}" if r["uncharged_gpu_bytes"]
+                 else f"{'-':>10}"))
+    print("\nulacache columns charge ulacache's tables and coordinator output rows as SGLang's "
+          "sizing hook does (ulacache.sizing.table_bytes_per_slot, one selection group per "
+          "layer; coordinator_output_bytes for --running "
+          f"{a['running_requests']} + 1 request slots per worker in the capacity columns, the "
+          "admitted count + 1 in the req@ columns). unchg GB: device GB per GPU SGLang does "
+          "not charge (mapping, page lists; HiSparse's per-request-slot tables at SGLang's "
+          "default request slots); see uncharged() and the JSON.")
     pc = res["paper_checks"]
     tp, hs = pc["tp8_unique_fraction"], pc["hisparse_fig2b"]
     print("\nPaper checks (UlaCache §2.2.1, Figure 2; 8xB300, GLM-5 geometry, FP8 KV):")
@@ -486,8 +661,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="HiSparse device_buffer_size (slots per request per layer)")
     ap.add_argument("--draft-tokens", type=int, default=1,
                     help="tokens per request per step (speculative decoding: draft tokens)")
-    ap.add_argument("--tp-running", type=int, default=64,
-                    help="max_running_requests sizing the ulacache TP buffer (capacity columns)")
+    ap.add_argument("--running", "--tp-running", dest="running", type=int, default=64,
+                    help="--max-running-requests per attention worker in the capacity columns: "
+                    "sizes ulacache's coordinator output rows and its TP buffer")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead")
     ap.add_argument("--png", default=str(ROOT / "docs" / "capacity.png"),
                     help="PNG path ('' for none)")

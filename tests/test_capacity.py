@@ -1,5 +1,7 @@
 """bench/capacity.py: the paper's two capacity figures, the accounting's sanity, its JSON
-contract, and (marked ``sglang``) that its per-token bytes equal SGLang 0.5.23's own sizing."""
+contract, that its ulacache columns charge what the SGLang sizing hook charges
+(``ulacache.sizing.table_bytes_per_slot`` and ``coordinator_output_bytes``), and (marked
+``sglang``) that its per-token bytes equal SGLang 0.5.23's own sizing, the hook's included."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from functools import cached_property
 from itertools import product
 from pathlib import Path
 
@@ -25,6 +28,15 @@ S = cap.LENGTHS
 
 def inputs(model="glm5", layout="fp8", kv_gb=179.0, host_gb=192.0, **kw) -> cap.Inputs:
     return cap.Inputs(model, layout, "b300", int(kv_gb * cap.GB), int(host_gb * cap.GB), **kw)
+
+
+class SharedIndexer(cap.Inputs):
+    """GLM-5 with one indexer per 4 layers (GLM-5.2's IndexShare shape): 20 selection groups
+    over 78 layers, so a charge per layer and a charge per group differ."""
+
+    @cached_property
+    def geometry(self):
+        return cap.ModelGeometry.glm5(layout=self.layout, layers_per_indexer=4)
 
 
 def test_paper_tp8_unique_share_is_one_eighth():
@@ -61,21 +73,168 @@ def test_more_memory_never_less_capacity(model, layout):
 
 
 @pytest.mark.parametrize("model,layout", GEOMS)
-def test_ulacache_dp_at_least_hisparse_and_sharded_keys_beat_replicated(model, layout):
-    for kv, host in ((27, 128), (60, 256), (179, 192), (186, 64)):
+def test_ulacache_against_hisparse_and_sharded_keys_beat_replicated(model, layout, monkeypatch):
+    """Exclusive tiers beat an inclusive mirror on unique tokens whenever the host binds; where
+    the GPU binds (high ratios), ulacache's tables (~24 B per logical token per group, one group
+    per layer) and its coordinator's output rows can cost it more than HiSparse saves, and only
+    they: without them ulacache DP is never below HiSparse."""
+    budgets = ((27, 128), (60, 256), (179, 192), (186, 64))
+    for kv, host in budgets:
         inp = inputs(model, layout, kv, host)
         ula, hs = cap.capacity(inp, "ulacache_dp"), cap.capacity(inp, "hisparse_dp")
-        assert ula.unique >= hs.unique and ula.cpu_slots * inp.lat <= inp.host_bytes * 8
+        assert ula.cpu_slots * inp.lat <= inp.host_bytes * 8
+        assert ula.unique == ula.gpu_slots + ula.cpu_slots  # exclusive: every slot unique
+        if kv >= 179:  # host-bound: B300-like GPU budget
+            assert ula.unique >= hs.unique
+            for n in S:
+                assert (cap.max_requests(inp, "ulacache_dp", n)[0]
+                        >= cap.max_requests(inp, "hisparse_dp", n)[0])
         shard = cap.capacity(inp, "ulacache_tp_shard")
         repl = cap.capacity(inp, "ulacache_tp_repl")
         assert shard.unique > repl.unique
         for n in S:
-            assert (cap.max_requests(inp, "ulacache_dp", n)[0]
-                    >= cap.max_requests(inp, "hisparse_dp", n)[0])
             assert (cap.max_requests(inp, "ulacache_tp_shard", n)[0]
                     >= cap.max_requests(inp, "ulacache_tp_repl", n)[0])
-        # exclusive tiers: every latent slot holds a unique token
-        assert ula.unique == ula.gpu_slots + ula.cpu_slots
+    with_tables = [cap.capacity(inputs(model, layout, kv, h), "ulacache_dp").unique
+                   for kv, h in budgets]
+    monkeypatch.setattr(cap, "_tables", lambda *a, **k: (0, 0))
+    monkeypatch.setattr(cap, "coordinator_outputs", lambda *a, **k: 0)
+    for (kv, host), charged in zip(budgets, with_tables):
+        inp = inputs(model, layout, kv, host)
+        free = cap.capacity(inp, "ulacache_dp").unique
+        assert free >= max(charged, cap.capacity(inp, "hisparse_dp").unique)
+
+
+def test_ulacache_dp_charge_is_the_sizing_hooks():
+    """DeepSeek-V3.2 FP8, cpu_ratio 4 (docs/sglang.md's example): SGLang's cell 80,276 B
+    (61 x (656 + 5 x 132)) + ulacache's tables 8,643 B per GPU slot, the formula's own figure;
+    fixed: the tables' fixed bytes + the tail page (64 rows per layer) + the coordinator's
+    output rows for 64 running requests + the padding row (61 groups x 65 x 2048 x 4 B + 65 x
+    8 B = 32,481,800 B). The pool is SGLang's ``(D - fixed) // cell`` in whole pages. The
+    figures move with the ratio."""
+    from ulacache.sizing import table_bytes_per_slot
+
+    inp = inputs("dsv32", "fp8", host_gb=10**6)
+    per, fixed = table_bytes_per_slot(61, ratio=5, page_size=64, n_buckets=64, policy="pblru")
+    assert (inp.groups, per) == (61, 8643)
+    cell, fix = cap.ulacache_dp_charge(inp, 4)
+    assert cell == 61 * (656 + 5 * 132) + per == 80276 + 8643
+    assert fix == fixed + 64 * 61 * 656 + 32481800
+    assert cap.ulacache_dp_pool(inp, 4) == (inp.kv_bytes - fix) // cell // 64 * 64
+    # the tables' per-slot cost grows with the ratio (mapping, claim table, CPU owners)
+    cells = [cap.ulacache_dp_charge(inp, c)[0] - 61 * (656 + 132 * (1 + c)) for c in range(6)]
+    assert cells == sorted(cells) and len(set(cells)) == 6
+    assert cap.ulacache_dp_charge(inputs(), 4)[0] - 78 * (656 + 5 * 132) == 11041  # GLM-5
+
+
+def test_ulacache_tp_charge_is_the_sizing_hooks():
+    """TP: ``ceil(lat / P)`` + index-K in full + the rank's tables per global GPU token; fixed:
+    the tables' fixed bytes (buffer holders, PB-LRU over B per group) + (B + 128) rows per
+    layer (sink page, scratch, B buffer rows, padding to a page) + the coordinator's output
+    rows (as in DP: 64 + 1 request slots)."""
+    from ulacache.sizing import table_bytes_per_slot
+
+    inp = inputs("dsv32", "fp8")
+    B = cap.tp_buffer_rows(inp, 64)
+    per, fixed = table_bytes_per_slot(61, ratio=5, page_size=64, n_buckets=64, policy="pblru",
+                                      tp_size=8, buffer_slots=B, layers=61)
+    cell, fix = cap.ulacache_tp_charge(inp, 4, B)
+    assert cell == -(-61 * 656 // 8) + 5 * 61 * 132 + per
+    assert cell - per == 45262 and per == 2341  # docs/sglang.md's DeepSeek-V3.2 TP8 example
+    assert fix == fixed + (B + 128) * 61 * 656 + 32481800
+    shard_cell, shard_fix = cap.ulacache_tp_charge(inp, 4, B, shard_index=True)
+    assert shard_cell == -(-61 * 656 // 8) + -(-5 * 61 * 132 // 8) + per and shard_fix == fix
+
+
+def _hand_fixed(inp, mode, c, running, buffer_rows=0):
+    """The sizing hook's fixed bytes by hand from ``ulacache.sizing``: tables' fixed part, the
+    DP tail page or the TP rows, and the output rows per selection group over ``running + 1``
+    slots of ``draft`` steps."""
+    from ulacache.sizing import table_bytes_per_slot
+
+    tp = mode == "tp"
+    _, fixed = table_bytes_per_slot(inp.groups, ratio=1 + c, page_size=64, n_buckets=64,
+                                    policy="pblru", tp_size=8 if tp else 1,
+                                    buffer_slots=buffer_rows, layers=inp.layers if tp else 0)
+    rows = (buffer_rows + 128) * inp.lat if tp else 64 * inp.lat
+    steps = (running + 1) * inp.draft_tokens
+    return fixed + rows + inp.groups * steps * inp.top_k * 4 + steps * 8
+
+
+def test_output_rows_are_charged_per_selection_group():
+    """With 20 selection groups over 78 layers, 128 running requests and 3 draft tokens, the
+    output rows are 20 x 129 x 3 x 2048 x 4 B + 129 x 3 x 8 B in both modes, on top of the
+    charge without them: not per layer, not dropped, not for one step, not for ``running``
+    slots without the padding row."""
+    inp = SharedIndexer("glm5", "fp8", "b300", 179 * cap.GB, 192 * cap.GB, draft_tokens=3,
+                        running=128)
+    assert (inp.groups, inp.layers) == (20, 78)
+    out = 20 * 129 * 3 * 2048 * 4 + 129 * 3 * 8
+    assert cap.coordinator_outputs(inp) == out == 63_409_176
+    assert cap.coordinator_outputs(inp, 0) == 20 * 3 * 2048 * 4 + 3 * 8
+    B = cap.tp_buffer_rows(inp, 128)
+    for c in (0, 3):
+        assert cap.ulacache_dp_charge(inp, c)[1] == _hand_fixed(inp, "dp", c, 128)
+        assert cap.ulacache_tp_charge(inp, c, B)[1] == _hand_fixed(inp, "tp", c, 128, B)
+        # the charge moves with `running` by exactly the rows' difference
+        for running in (0, 7):
+            d = cap.coordinator_outputs(inp) - cap.coordinator_outputs(inp, running)
+            assert (cap.ulacache_dp_charge(inp, c)[1]
+                    - cap.ulacache_dp_charge(inp, c, running)[1]) == d
+            assert (cap.ulacache_tp_charge(inp, c, B)[1]
+                    - cap.ulacache_tp_charge(inp, c, B, running=running)[1]) == d
+    # the capacity columns charge Inputs.running: more running requests, fewer unique tokens
+    small, big = inputs(kv_gb=27, host_gb=128), inputs(kv_gb=27, host_gb=128, running=4096)
+    for system in ("ulacache_dp", "ulacache_tp_repl", "ulacache_tp_shard"):
+        assert cap.capacity(big, system).unique < cap.capacity(small, system).unique, system
+
+
+@pytest.mark.parametrize("mode", ["dp", "tp"])
+def test_admission_charges_the_admitted_count(mode):
+    """The concurrency columns charge the output rows (and in TP the buffer) for the admitted
+    ``R`` itself, whatever ``Inputs.running`` says: a GPU budget that fits exactly 4 requests of
+    32K per worker with their output rows admits 4 (DP: 32 over 8 ranks) and one byte less
+    admits 3. No CPU tier (host 0), 20 selection groups (a per-layer charge would not fit), 2
+    draft tokens."""
+    S = 32768
+    probe = SharedIndexer("glm5", "fp8", "b300", 0, 0, draft_tokens=2)
+    system = "ulacache_dp" if mode == "dp" else "ulacache_tp_repl"
+    B = cap.tp_buffer_rows(probe, 4, S) if mode == "tp" else 0
+    cell = (cap.ulacache_dp_charge(probe, 0)[0] if mode == "dp"
+            else cap.ulacache_tp_charge(probe, 0, B)[0])
+    exact = _hand_fixed(probe, mode, 0, 4, B) + 4 * S * cell
+    scale = 8 if mode == "dp" else 1
+    for running in (1, 64, 4096):  # the capacity columns' setting does not enter
+        at = SharedIndexer("glm5", "fp8", "b300", exact, 0, draft_tokens=2, running=running)
+        below = SharedIndexer("glm5", "fp8", "b300", exact - 1, 0, draft_tokens=2,
+                              running=running)
+        assert cap.max_requests(at, system, S) == (4 * scale, 0)
+        assert cap.max_requests(below, system, S) == (3 * scale, 0)
+
+
+def test_uncharged_device_memory():
+    """What SGLang's sizing leaves uncharged, per GPU: HiSparse's mapping over its logical
+    tokens and its coordinator's request-slot tables (GLM-5 by hand: 4,907,040 B per slot with
+    a 202,752-token context); ulacache only its logical page list (its coordinator rows are
+    charged by the sizing hook)."""
+    inp = inputs()
+    hs = cap.capacity(inp, "hisparse_dp")
+    u = cap.uncharged(inp, "hisparse_dp", hs.ratio, hs.pool)
+    assert u["per_request_slot"] == (2 * 4 * 78 * 4160 + 2 * 78 * 4096 + 8 * 4160
+                                     + 8 * (202752 + 4 + 64) + 8 * 2048) == 4907040
+    assert u["fixed"] == 8 * (2 * hs.pool + 65) + 8 * (2 * hs.pool // 64)
+    assert u["request_slots"] == 4097  # 1.88M slots / 202,752 x 512 > 4096: the cap, + slot 0
+    assert u["total"] == u["fixed"] + 4097 * 4907040
+    ula = cap.capacity(inp, "ulacache_dp")
+    v = cap.uncharged(inp, "ulacache_dp", ula.ratio, ula.pool)
+    assert (v["per_request_slot"], v["request_slots"]) == (0, 65)
+    assert v["fixed"] == v["total"] == 8 * ((1 + ula.ratio) * ula.pool // 64)
+    assert cap.uncharged(inp, "ulacache_tp_repl", 4, 10**6) == {
+        "fixed": 8 * (5 * 10**6 // 64), "per_request_slot": 0, "request_slots": 65,
+        "total": 8 * (5 * 10**6 // 64)}
+    assert cap.uncharged(inp, "sglang_dp", None, 10**6) is None
+    small = inputs(kv_gb=27)  # a small pool: SGLang's floor of 2048 request slots
+    assert cap.sglang_request_slots(small, cap.resident_pool(small)) == 2049
 
 
 def test_resident_and_tp_buffer_arithmetic():
@@ -99,12 +258,15 @@ def test_json_contract():
     keys = {"platform", "model", "layout", "system", "ratio", "unique_tokens",
             "gpu_latent_slots", "cpu_latent_slots", "unique_fraction", "gpu_kv_bytes",
             "host_kv_bytes", "tokens_per_gpu_gb", "tokens_per_host_gb", "max_requests",
-            "ratio_at"}
+            "ratio_at", "uncharged_gpu_bytes"}
     for r in res["rows"]:
         assert set(r) == keys
         assert set(r["max_requests"]) == set(r["ratio_at"]) == {str(n) for n in S}
         assert 0 < r["unique_fraction"] <= 1
         assert r["gpu_kv_bytes"] <= 8 * 179 * cap.GB and r["host_kv_bytes"] <= 8 * 192 * cap.GB
+        u = r["uncharged_gpu_bytes"]
+        assert (u is None) == r["system"].startswith("sglang")
+        assert u is None or u["total"] == u["fixed"] + u["per_request_slot"] * u["request_slots"]
     assert set(res["paper_checks"]) == {"tp8_unique_fraction", "hisparse_fig2b"}
 
 
@@ -190,3 +352,78 @@ def test_formulas_equal_sglang_sizing():
     assert res["defaults"] == {"top_k": 2048, "device_buffer_size": 4096,
                                "host_to_device_ratio": 2}
     assert cap.Inputs("glm5", "fp8", "b300", 1, 1).device_buffer == 4096
+
+
+# SGLang's real configurator through ulacache's sizing hook, in a child (as above).
+_HOOKED_SIZES = textwrap.dedent(f"""
+    import json, sys, types, torch
+    sys.path.insert(0, {str(ROOT)!r})
+    from transformers import PretrainedConfig
+    from sglang.srt.runtime_context import publish
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.model_executor.pool_configurator import DefaultPoolConfigurator
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from ulacache.config import SGLangOptions
+    from ulacache.patches import sglang_sizing as sz, sglang_tp_support as tps
+
+    ARCH = {{"glm5": ("GlmMoeDsaForCausalLM", 78), "dsv32": ("DeepseekV32ForCausalLM", 61)}}
+    budget = int(sys.argv[1])
+    tps.tp_group = lambda: types.SimpleNamespace(world_size=8)
+    out = {{}}
+    for c in (2, 4):
+        sa = prepare_server_args(["--model-path", "dummy", "--device", "cpu",
+                                  "--enable-hisparse", "--hisparse-config",
+                                  json.dumps({{"host_to_device_ratio": 1 + c}}),
+                                  "--max-running-requests", "64"])
+        sa.resolve_once()
+        publish(sa, role="scheduler")
+        for model, (arch, layers) in ARCH.items():
+            hf = PretrainedConfig(architectures=[arch], index_head_dim=128, index_topk=2048,
+                                  num_hidden_layers=layers)
+            mc = types.SimpleNamespace(hf_config=hf, hf_text_config=hf, kv_lora_rank=512,
+                                       qk_rope_head_dim=64, num_hidden_layers=layers,
+                                       context_len=4096, linear_attn_registry_result=None)
+            kvc = types.SimpleNamespace(
+                model_config=mc, kv_cache_dtype=torch.float8_e4m3fn,
+                kv_cache_dtype_str="fp8_e4m3", use_mla_backend=True, pool_page_size=64,
+                server_args=sa, is_draft_worker=False, pp_size=1, mambaish_config=None,
+                spec_algorithm=SpeculativeAlgorithm.NONE,
+                layer_info=types.SimpleNamespace(start_layer=0, end_layer=layers,
+                                                 num_effective_layers=layers))
+            for mode in ("dp", "tp"):
+                sz.sglang_options = lambda: SGLangOptions(mode=mode, cpu_ratio=c)
+                conf = object.__new__(DefaultPoolConfigurator)
+                sz.pool_configurator_init_around(DefaultPoolConfigurator.__init__, conf, kvc)
+                out[f"{{model}}/{{mode}}/{{c}}"] = {{
+                    "cell": conf._cell_size, "fixed": conf._fixed_overhead_bytes,
+                    "tokens": conf.calculate_pool_sizes(budget, 64).max_total_num_tokens,
+                    "groups": len(sz.pool_layer_groups(kvc)), "sized": dict(tps.SIZED)}}
+    print("RESULT " + json.dumps(out))
+""")
+
+
+@pytest.mark.sglang
+def test_ulacache_columns_equal_the_hooked_sglang_sizing():
+    """capacity.py's ulacache cell, fixed overhead (tables, tail page or TP rows, coordinator
+    output rows), pool size and group count are what SGLang's real ``DefaultPoolConfigurator``
+    gives through ``patches/sglang_sizing.py``: GLM-5 and DeepSeek-V3.2 FP8, ``cpu_ratio`` 2
+    and 4, DP and TP8, ``--max-running-requests 64`` (``Inputs.running``)."""
+    pytest.importorskip("sglang")
+    budget = inputs().kv_bytes
+    out = subprocess.run([sys.executable, "-c", _HOOKED_SIZES, str(budget)], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
+    res = json.loads(line[len("RESULT "):])
+    for model in ("glm5", "dsv32"):
+        # the GPU budget alone binds, as in SGLang; 64 = the published --max-running-requests
+        inp = inputs(model, "fp8", host_gb=10**6, running=64)
+        B = cap.tp_buffer_rows(inp, 64)
+        for c in (2, 4):
+            dp, tp = res[f"{model}/dp/{c}"], res[f"{model}/tp/{c}"]
+            assert dp["groups"] == tp["groups"] == inp.groups == inp.layers
+            assert (dp["cell"], dp["fixed"]) == cap.ulacache_dp_charge(inp, c)
+            assert dp["tokens"] == cap.ulacache_dp_pool(inp, c)
+            assert tp["sized"] == {"buffer_slots": B, "tp_size": 8}
+            assert (tp["cell"], tp["fixed"]) == cap.ulacache_tp_charge(inp, c, B)
+            assert tp["tokens"] == cap.ulacache_tp_pool(inp, c, B, False)
