@@ -66,8 +66,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _p in (str(ROOT), str(ROOT / "bench")):  # the core; decode_rows beside this file
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
 from ulacache.group import COUNTERS  # noqa: E402
 from ulacache.tools.hisparse import RESERVED_SLOTS, HiSparseBuffer  # noqa: E402
@@ -89,7 +90,8 @@ CSV_COLUMNS = ("concurrency", "policy", "admitted_mean", "admitted_max", "steps"
                "gpu_hit_rate", "h2d_mb_per_step", "d2h_mb_per_step", "pcie_mb_per_step",
                "control_ms", "pcie_ms", "attn_ms", "step_ms", "tokens_per_s",
                "cpu_ctl_ms_per_step", "overflow", "finished", "ula_launches_per_step",
-               "step_ms_other_path", "tokens_per_s_other_path", "tokens_per_s_pcie_hidden")
+               "step_ms_other_path", "tokens_per_s_other_path", "tokens_per_s_pcie_hidden",
+               "measured_layer_ms", "tokens_per_s_measured")
 HIST_BINS = 20
 
 
@@ -288,6 +290,8 @@ class Config:
     attn_tflops: float = 400.0  # sustained sparse-MLA FLOP rate (H200 bf16 989 peak x ~0.4)
     hbm_tbs: float = 4.0
     other_ms: float = 20.0  # fixed per-step time outside attention (weights, MoE; assumed)
+    real_rows: bool = False  # also move and read one layer of real rows, timed (decode_rows)
+    device: str = "cpu"  # where --real-rows runs (cuda when available)
     seed: int = 0
 
 
@@ -321,13 +325,15 @@ def count_launches(path: str, groups: int, k: int = 64, batch: int = 4) -> dict[
         if not fused_access.available():
             raise SystemExit("--ula-path fused counts the Triton kernels: pip install "
                              "'ulacache[cuda]' (or run --ula-path torch)")
-    res = Residency("pblru", 4096, 16384, 8, access_path=path)
+    # on CUDA the kernels run there (on CPU tensors they need Triton's interpreter)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    res = Residency("pblru", 4096, 16384, 8, device=dev, access_path=path)
     g = res.group
-    g.place(torch.arange(6000))
+    g.place(torch.arange(6000, device=dev))
     res.new_round()
-    sel = torch.randint(0, 6000, (batch, k), generator=torch.Generator().manual_seed(0))
-    arena = PBLRUArena(groups, 64, 8)
-    new = torch.arange(6000, 6000 + batch)
+    sel = torch.randint(0, 6000, (batch, k), generator=torch.Generator().manual_seed(0)).to(dev)
+    arena = PBLRUArena(groups, 64, 8, dev)
+    new = torch.arange(6000, 6000 + batch, device=dev)
     calls = {
         "round": lambda: advance_policies(arena.policies, arena, fused),
         "place": lambda: g.place(new),
@@ -381,8 +387,9 @@ class _Live:
     pos: int  # position of the next token (= current length)
     left: int
     gen: SelectionGen
-    addrs: np.ndarray | None = None
+    addrs: np.ndarray | None = None  # row per position (ulacache; --real-rows: all policies)
     buf: HiSparseBuffer | None = None
+    buffer: int = 0  # --real-rows: HiSparse device buffer index
 
 
 def attention_seconds(cfg: Config, n_selected: int) -> float:
@@ -412,10 +419,24 @@ def run_level(policy: str, concurrency: int, cfg: Config, requests: list[Request
     now = 0.0
     ula = None
     free_addrs = None
+    real = None  # --real-rows: decode_rows.RealRows of this level
     if policy == "ulacache":
         counts = counts or {path: count_launches(path, cfg.layers) for path in ("fused", "torch")}
-        ula = Residency("pblru", cfg.gpu_rows, cfg.gpu_rows + cfg.host_rows, cfg.buckets)
+        if cfg.real_rows:  # one layer of real rows on the device, the serving access path
+            ula = Residency("pblru", cfg.gpu_rows, cfg.gpu_rows + cfg.host_rows, cfg.buckets,
+                            device=cfg.device, layers=1, row_bytes=cfg.row_bytes)
+        else:
+            ula = Residency("pblru", cfg.gpu_rows, cfg.gpu_rows + cfg.host_rows, cfg.buckets)
         free_addrs = list(range(cfg.gpu_rows + cfg.host_rows - 1, -1, -1))
+    if cfg.real_rows:
+        from decode_rows import RealRows
+
+        real = RealRows(policy, torch.device(cfg.device), cfg.gpu_rows, cfg.host_rows,
+                        cfg.h_slots, RESERVED_SLOTS, cfg.heads, cfg.k, ula)
+        # rows of each request: HiSparse's host mirror and device buffer, resident's pool
+        free_rows = list(range((cfg.host_rows if policy == "hisparse" else cfg.gpu_rows) - 1,
+                               -1, -1))
+        free_buffers = list(range(cfg.gpu_rows // (cfg.h_slots + RESERVED_SLOTS) - 1, -1, -1))
     tot = dict(acc=0, hit=0, h2d=0, d2h=0, ctl=0.0, pcie=0.0, attn=0.0, step=0.0, tokens=0,
                cpu=0.0, overflow=0, finished=0, admitted=[], steps=0, launches=0,
                step_other=0.0)
@@ -439,6 +460,13 @@ def run_level(policy: str, concurrency: int, cfg: Config, requests: list[Request
                 ula.place(torch.from_numpy(live.addrs[: r.input_len]))
             elif policy == "hisparse":
                 live.buf = HiSparseBuffer(cfg.h_slots)
+            if real is not None and ula is None:  # rows for its tokens (+ a HiSparse buffer)
+                n = r.input_len + r.output_len
+                live.addrs = np.array(free_rows[-n:][::-1], dtype=np.int64)
+                del free_rows[-n:]
+                if policy == "hisparse":
+                    live.buffer = free_buffers.pop()
+                    real.hisparse_admit(live.buffer, live.addrs)
             running.append(live)
         if not running:
             break
@@ -452,7 +480,10 @@ def run_level(policy: str, concurrency: int, cfg: Config, requests: list[Request
             for i, (lv, s) in enumerate(zip(running, sels)):
                 batch[i, : s.size] = torch.from_numpy(lv.addrs[s])
             new = torch.from_numpy(np.array([lv.addrs[lv.pos] for lv in running]))
-            ula.step(new, batch, timed=False)
+            if real is not None:
+                real.ulacache_step(new, batch)
+            else:
+                ula.step(new, batch, timed=False)
             d = dict(zip(COUNTERS, (ula.group.counters - before).tolist()))
             acc, hit = d["accesses"], d["gpu_hits"]
             h2d_rows = d["promotions"]
@@ -465,8 +496,18 @@ def run_level(policy: str, concurrency: int, cfg: Config, requests: list[Request
                 hit += h
                 h2d_rows += m
             d2h_rows = len(running)  # the previous newest token's backup, per request
+            if real is not None:
+                real.hisparse_step([lv.buffer for lv in running], [lv.addrs for lv in running],
+                                   sels, [lv.buf for lv in running],
+                                   [lv.pos - 1 if lv.pos > lv.req.input_len else -1
+                                    for lv in running])  # the prompt's rows are mirrored
         else:
             acc = hit = n_sel
+            if real is not None:
+                rows = np.full((len(running), cfg.k), -1, dtype=np.int64)
+                for i, (lv, sel) in enumerate(zip(running, sels)):
+                    rows[i, : sel.size] = lv.addrs[sel]
+                real.resident_step(rows)
         cpu = time.perf_counter() - t0
         # this step's finished requests are released at the next round start (below)
         finishing = any(lv.left <= 1 for lv in running)
@@ -504,6 +545,10 @@ def run_level(policy: str, concurrency: int, cfg: Config, requests: list[Request
             reserved -= lv.req.input_len + lv.req.output_len
             if ula is not None:
                 done.append(lv.addrs)
+            elif real is not None:
+                free_rows.extend(lv.addrs[::-1].tolist())
+                if policy == "hisparse":
+                    free_buffers.append(lv.buffer)
         if done:  # finished requests free their rows at the round boundary
             ula.new_round()
             ula.group.release(torch.from_numpy(np.concatenate(done)))
@@ -511,7 +556,18 @@ def run_level(policy: str, concurrency: int, cfg: Config, requests: list[Request
                 free_addrs.extend(a[::-1].tolist())
         running = still
     s = max(1, tot["steps"])
-    return {
+    measured = {"measured_layer_ms": 0.0, "tokens_per_s_measured": 0.0}
+    if real is not None and real.seconds:
+        # one layer measured x layers + the fixed time; HiSparse's swap-in decisions ran on
+        # the host, so its modelled control time is added
+        warm = min(2, len(real.seconds) - 1)  # first steps: allocation, compilation
+        secs, admitted = real.seconds[warm:], tot["admitted"][warm:]
+        steps_s = [x * cfg.layers + cfg.other_ms * 1e-3 for x in secs]
+        if policy == "hisparse":
+            steps_s = [x + cfg.layers * cfg.hs_launches * cfg.launch_us * 1e-6 for x in steps_s]
+        measured = {"measured_layer_ms": float(np.mean(secs)) * 1e3,
+                    "tokens_per_s_measured": sum(admitted) / sum(steps_s)}
+    return {**measured,
         "concurrency": concurrency, "policy": policy,
         "admitted_mean": float(np.mean(tot["admitted"])) if tot["admitted"] else 0.0,
         "admitted_max": int(max(tot["admitted"], default=0)), "steps": tot["steps"],
@@ -547,6 +603,12 @@ def sweep(cfg: Config, levels: list[int], requests: list[Request], model: Locali
     peak = {p: max((r["tokens_per_s"] for r in rows if r["policy"] == p), default=0.0)
             for p in policies}
     ratios = {}
+    if cfg.real_rows:  # measured: one layer of real rows per step, x layers + the fixed time
+        meas = {p: max((r["tokens_per_s_measured"] for r in rows if r["policy"] == p),
+                       default=0.0) for p in policies}
+        for other in ("hisparse", "resident"):
+            if meas.get("ulacache") and meas.get(other):
+                ratios[f"measured ulacache/{other}"] = meas["ulacache"] / meas[other]
     if "ulacache" in peak:
         for other in ("hisparse", "resident"):
             if peak.get(other):
@@ -594,13 +656,24 @@ def markdown(res: dict) -> str:
     peak = ", ".join(f"{p} {v:,.0f}" for p, v in res["peak_tokens_per_s"].items())
     lines.append(f"Peak decode tokens/s: {peak}")
     rat = ", ".join(f"{k} x{v:.2f}" for k, v in res["peak_ratios"].items()
-                    if "_" not in k.split("/")[0])
+                    if "_" not in k.split("/")[0] and not k.startswith("measured"))
     lines.append(f"Peak-throughput ratios: {rat}")
     hid = ", ".join(f"{k.split('/')[1]} x{v:.2f}" for k, v in res["peak_ratios"].items()
                     if k.startswith("ulacache_pcie_hidden"))
     if hid:
         lines.append(f"Bound if every PCIe transfer hid behind compute, for every policy alike "
                      f"(nothing here prefetches; lookahead prefetch is not built): ulacache/{hid}")
+    if cfg.get("real_rows"):
+        lines += ["", f"Measured with real rows on {cfg['device']} (one layer of "
+                  f"{cfg['row_bytes']} B rows per step: ulacache's real access, HiSparse's data "
+                  "movement with its decisions modelled, torch sparse-MLA stand-in; x layers + "
+                  "other ms; the first 2 steps of a level are warm-up):", "",
+                  "| concurrency | policy | layer ms | tokens/s |", "|---:|---|---:|---:|"]
+        lines += [f"| {r['concurrency']} | {r['policy']} | {r['measured_layer_ms']:.3f} | "
+                  f"{r['tokens_per_s_measured']:,.0f} |" for r in res["rows"]]
+        mr = ", ".join(f"{k.split(' ')[1]} x{v:.2f}" for k, v in res["peak_ratios"].items()
+                       if k.startswith("measured"))
+        lines += ["", f"Measured peak ratios: {mr}"]
     counts = res.get("ula_launch_counts") or {}
     if counts:
         path = cfg["ula_path"]
@@ -678,6 +751,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--control", choices=("launch", "measured"), default=d.control)
     ap.add_argument("--ula-path", choices=("fused", "torch"), default=d.ula_path,
                     help="whose counted launches time ulacache's steps (the other is reported)")
+    ap.add_argument("--real-rows", action="store_true",
+                    help="also move and read one layer of real rows per step, timed "
+                         "(bench/decode_rows.py; GLM-5-shaped FP8 rows; meant for a GPU)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="device of --real-rows")
     ap.add_argument("--out", default=None, help="output dir (default: a new temp dir)")
     ap.add_argument("--no-png", action="store_true")
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")

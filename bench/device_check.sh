@@ -10,13 +10,17 @@
 #    results, time ratio, access / data-movement; graph-captured),
 # 4. bench/hisparse_head_to_head.py --quick (when SGLang's kernel sources are carried; its
 #    ulacache side runs the fused path, the default on CUDA),
-# 5. a short summary table, printed last, with the issue's targets marked.
+# 5. bench/decode_sweep.py --real-rows (concurrency 72 and 128, 24 steps: one layer of real
+#    FP8 rows per step through ulacache's fused access, HiSparse's data movement and a torch
+#    sparse-MLA stand-in, timed; measured peak ratios),
+# 6. a short summary table, printed last, with the issue's targets marked.
 # Full logs go to LOGDIR: pytest_gpu.log, bandwidth.json, bandwidth.log, access.json,
-# access.log, hisparse_h2h.json, summary.txt.
+# access.log, hisparse_h2h.json, decode_sweep/ (csv, md, json), summary.txt.
 # Exit code: 0 when tests pass and the bench ran (targets are reported, not enforced),
 # 1 on a test failure, 2 when the bench could not run.
 # Environment: PYTHON (default python3), PYTEST_TIMEOUT (default 200 s), BENCH_TIMEOUT (110 s),
-# ACCESS_TIMEOUT (60 s), H2H_TIMEOUT (90 s): 460 s at worst, as before the access bench.
+# ACCESS_TIMEOUT (60 s), H2H_TIMEOUT (90 s), SWEEP_TIMEOUT (60 s). Typical runs are well
+# inside 6 minutes; the worst case (every step at its timeout) is 520 s.
 #
 # The lent H200's image has torch, Triton, CuPy, prometheus_client and hypothesis but not
 # msgspec (the core's config library). Carry its wheel (docs/benchmarks.md, "Device check"):
@@ -102,10 +106,20 @@ timeout "${H2H_TIMEOUT:-90}" "$PY" bench/hisparse_head_to_head.py --quick --json
 H2H_RC=$?
 tail -n 25 "$LOGDIR/hisparse_h2h.log"
 
-"$PY" - "$LOGDIR" "$PYTEST_RC" "$BENCH_RC" "$T0" "$H2H_RC" "$ACCESS_RC" <<'EOF' | tee "$LOGDIR/summary.txt"
+# The decode sweep with real rows (issue 11): two concurrency levels around HiSparse's
+# device-buffer cap, a few steps each; the full sweep is `python bench/decode_sweep.py
+# --real-rows` (minutes).
+echo "== bench/decode_sweep.py --real-rows --levels 72,128 --steps 24"
+timeout "${SWEEP_TIMEOUT:-60}" "$PY" bench/decode_sweep.py --real-rows --levels 72,128 \
+    --steps 24 --no-png --quiet --json --out "$LOGDIR/decode_sweep" \
+    > "$LOGDIR/decode_sweep.json" 2> "$LOGDIR/decode_sweep.log"
+SWEEP_RC=$?
+tail -n 8 "$LOGDIR/decode_sweep.log"
+
+"$PY" - "$LOGDIR" "$PYTEST_RC" "$BENCH_RC" "$T0" "$H2H_RC" "$ACCESS_RC" "$SWEEP_RC" <<'EOF' | tee "$LOGDIR/summary.txt"
 import json, sys, time
 logdir, prc, brc, t0 = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-hrc, arc = int(sys.argv[5]), int(sys.argv[6])
+hrc, arc, src = int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7])
 lines = [f"== summary ({time.time() - t0:.0f} s)",
          f"pytest -m gpu: rc={prc} ({'pass' if prc == 0 else 'FAIL'})"]
 try:  # per test file: passed / failed / skipped (TP over CUDA IPC, peers, kernels, graphs)
@@ -160,6 +174,20 @@ except Exception as e:  # no JSON: the bench failed or timed out
     lines.append(f"  (no access JSON: {e}; see {logdir}/access.log)")
 lines.append(f"hisparse head-to-head: rc={hrc} (JSON in {logdir}/hisparse_h2h.json; "
              "HiSparse / ulacache ratios there)")
+lines.append(f"decode sweep, real rows: rc={src}")
+try:
+    with open(f"{logdir}/decode_sweep.json") as f:
+        sw = json.load(f)
+    lines.append(f"{'conc':>5} {'policy':<9}{'admitted':>9}{'hit':>7}{'layer ms':>9}"
+                 f"{'tok/s meas':>11}{'tok/s model':>12}")
+    for r in sw["rows"]:
+        lines.append(f"{r['concurrency']:>5} {r['policy']:<9}{r['admitted_mean']:>9.1f}"
+                     f"{r['gpu_hit_rate']:>7.3f}{r['measured_layer_ms']:>9.3f}"
+                     f"{r['tokens_per_s_measured']:>11.0f}{r['tokens_per_s']:>12.0f}")
+    lines.append("  " + ", ".join(f"{k} x{v:.2f}" for k, v in sw["peak_ratios"].items()
+                                  if k.startswith("measured")))
+except Exception as e:  # no JSON: the sweep failed or timed out
+    lines.append(f"  (no sweep JSON: {e}; see {logdir}/decode_sweep.log)")
 print("\n".join(lines))
 EOF
 

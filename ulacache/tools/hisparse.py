@@ -48,8 +48,9 @@ class HiSparseBuffer:
     """One request's HiSparse device buffer in one layer (see the module docstring).
 
     ``step`` returns ``(hits, misses)``; after it ``last_slots`` holds the buffer slot of every
-    selected entry (``h_slots`` for the newest token) and ``last_misses`` the missed positions in
-    load order. Each miss is one host -> device row read; nothing is ever written back.
+    selected entry (``h_slots`` for the newest token), ``last_misses`` the missed positions in
+    load order and ``last_miss_slots`` the slots they were loaded into. Each miss is one host ->
+    device row read; nothing is ever written back.
     """
 
     def __init__(self, h_slots: int = DEFAULT_H_SLOTS):
@@ -60,6 +61,7 @@ class HiSparseBuffer:
         self.lru = np.arange(h_slots, dtype=np.int64)  # slots, least recently used first
         self.last_slots = np.empty(0, dtype=np.int64)
         self.last_misses = np.empty(0, dtype=np.int64)
+        self.last_miss_slots = np.empty(0, dtype=np.int64)
 
     @property
     def reserved_slot(self) -> int:
@@ -85,6 +87,7 @@ class HiSparseBuffer:
         if seq_len <= self.h:  # fast path: token p sits in slot p, nothing moves
             self.last_slots = sel.copy()
             self.last_misses = np.empty(0, dtype=np.int64)
+            self.last_miss_slots = np.empty(0, dtype=np.int64)
             return int(sel.size), 0
         slots = np.full(sel.size, self.h, dtype=np.int64)  # newest -> reserved slot H
         is_newest = sel == newest
@@ -106,6 +109,7 @@ class HiSparseBuffer:
         self.lru = np.concatenate([evictable[misses.size:], taken, hit_slots])
         self.last_slots = slots
         self.last_misses = misses
+        self.last_miss_slots = taken  # where each miss was loaded
         return int(sel.size - misses.size), int(misses.size)
 
 

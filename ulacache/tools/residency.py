@@ -70,14 +70,16 @@ class Residency:
 
     def __init__(self, policy: str, gpu_slots: int, n_logical: int, n_buckets: int = 64,
                  device: torch.device | str = "cpu", bucket_fill: int | None = None,
-                 access_path: str = "auto"):
+                 access_path: str = "auto", layers: int = 0, row_bytes: int = 16):
         if bucket_fill is not None and policy != "pblru":
             raise ValueError("bucket_fill is a PB-LRU setting")
         # PB-LRU lives in a one-policy arena, as a serving address space keeps it (the fused
         # path starts a round in one launch); bucket_fill: another epoch pacing (0: per round)
         self.arena = PBLRUArena(1, gpu_slots, n_buckets, device, bucket_fill) \
             if policy == "pblru" else None
-        self.group = SelectionGroup([], n_logical, gpu_slots, n_logical, 16, device,
+        # layers > 0: real row pools (bench/decode_rows.py times the data movement too)
+        self.group = SelectionGroup(list(range(layers)), n_logical, gpu_slots, n_logical,
+                                    row_bytes, device,
                                     self.arena.policies[0] if self.arena else policy,
                                     n_buckets, validate=False, access_path=access_path)
         self.clock = PolicyClock(self.group.policy)
@@ -99,19 +101,21 @@ class Residency:
             self.new_round()
             self.group.place(addrs[i: i + chunk])
 
-    def step(self, new: torch.Tensor | None, selected: torch.Tensor, timed: bool = True) -> None:
+    def step(self, new: torch.Tensor | None, selected: torch.Tensor, timed: bool = True
+             ) -> torch.Tensor:
         """One decode round: a new round, the new tokens placed, then the access of
-        ``selected`` (``int [bs, k]``, ``-1`` padded; duplicates allowed)."""
+        ``selected`` (``int [bs, k]``, ``-1`` padded; duplicates allowed). Returns the access's
+        ``int32 [bs, k]`` GPU rows."""
         before = self.group.counters.clone()
         p0 = self.clock.seconds
         t0 = time.perf_counter()
         self.new_round()
         if new is not None and new.numel():
             self.group.place(new.to(self.device, torch.int64).reshape(-1))
-        self.group.access(selected.to(self.device, torch.int64))
+        rows = self.group.access(selected.to(self.device, torch.int64))
         t1 = time.perf_counter()
         if not timed:
-            return
+            return rows
         d = dict(zip(COUNTERS, (self.group.counters - before).tolist()))
         r = self.result
         r.steps += 1
@@ -120,6 +124,7 @@ class Residency:
         r.overflow += d["access_overflow"]
         r.step_seconds.append(t1 - t0)
         r.policy_seconds.append(self.clock.seconds - p0)
+        return rows
 
 
 def simulate_trace(selections: Iterable[torch.Tensor], positions: Iterable[int], policy: str,
