@@ -170,6 +170,17 @@ if triton is not None:
         tl.store(epoch_of + slot, tl.zeros_like(slot) + epoch_t, mask=move)
 
     @triton.jit
+    def _claim_in_range(addrs, claim, n, N, BLOCK: tl.constexpr):
+        """Every in-range entry claims its address: ``atomic_min(claim[addr], position)`` (the
+        first launch of a TP rank's gates and of a release)."""
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        live = i < n
+        a = tl.load(addrs + i, mask=live, other=-1).to(tl.int64)
+        inrange = live & (a >= 0) & (a < N)
+        tl.atomic_min(claim + tl.where(inrange, a, N), i.to(tl.int64), mask=inrange,
+                      sem="relaxed")
+
+    @triton.jit
     def _k1_claim(addrs, local, loc, claim, phys_out, status, counters, n, N, NG, RANK,
                   PLACE: tl.constexpr, TPP: tl.constexpr, BLOCK: tl.constexpr):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

@@ -8,6 +8,7 @@ split where a grid-wide order is needed:
 
 ====  =====================================================================================
 R1    every in-range entry claims its address: ``atomic_min(claim[addr], position)``
+      (``fused_access._claim_in_range``, shared with the TP gates' G1)
 R2    first occurrence (the first resets the claim); invalid entries counted; dropped rows
       unmapped (mapping, owners); GPU slots released in the policy (bit to the free row,
       stamps freed); per-block counts of CPU slots to push; the stack pointer snapshot
@@ -31,20 +32,11 @@ LAUNCHES_PER_RELEASE = 3
 if triton is not None:
     import triton.language as tl
 
-    from .fused_access import FREE, NO_CLAIM, _move_slots, _row_of
+    from .fused_access import FREE, NO_CLAIM, _claim_in_range, _move_slots, _row_of
 
     C_INVALID = tl.constexpr(COUNTER_COLUMNS["invalid"])
     C_RELEASED_GPU = tl.constexpr(COUNTER_COLUMNS["released_gpu"])
     C_RELEASED_CPU = tl.constexpr(COUNTER_COLUMNS["released_cpu"])
-
-    @triton.jit
-    def _r1_claim(addrs, claim, n, N, BLOCK: tl.constexpr):
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        live = i < n
-        a = tl.load(addrs + i, mask=live, other=-1).to(tl.int64)
-        inrange = live & (a >= 0) & (a < N)
-        tl.atomic_min(claim + tl.where(inrange, a, N), i.to(tl.int64), mask=inrange,
-                      sem="relaxed")
 
     @triton.jit
     def _r2_drop(addrs, claim, loc, gpu_owner, cpu_owner, cslot_out, block_push, cpu_top,
@@ -128,7 +120,7 @@ class FusedRelease:
         grid = (-(-n // self.BLOCK),)
         N, G, C = g.n_logical, g.gpu_slots, g.cpu_slots
         launch = fused_access._launch  # looked up per call: fused_compile records launches
-        launch(_r1_claim, grid, addrs, g._claim, n, N, BLOCK=self.BLOCK)
+        launch(_claim_in_range, grid, addrs, g._claim, n, N, BLOCK=self.BLOCK)
         launch(_r2_drop, grid, addrs, g._claim, g.loc, g.gpu_owner, g.cpu_owner, cslot,
                block_push, g.pools.cpu_top, self._top0, g.counters, p.bits, p.counts,
                p.super_counts, p.hyper_counts, p.row_counts, p.round_of, p.epoch_of,

@@ -36,7 +36,7 @@ if fa.triton is not None:
     import triton
     import triton.language as tl
 
-    from .fused_access import NO_CLAIM, _touch, _victim_order, _victims
+    from .fused_access import NO_CLAIM, _claim_in_range, _touch, _victim_order, _victims
 
     _t = {name: tl.constexpr(col) for name, col in TP_COUNTER_COLUMNS.items()}
     T_SELECTED, T_OWN, T_HITS, T_FETCHES = (_t["selected"], _t["own_rows"], _t["buffer_hits"],
@@ -44,15 +44,6 @@ if fa.triton is not None:
     T_MISSING, T_OVERFLOW, T_EVICTIONS = (_t["peer_missing"], _t["buffer_overflow"],
                                           _t["buffer_evictions"])
     WANT = tl.constexpr(1)
-
-    @triton.jit
-    def _g1_claim(addrs, claim, n, N, BLOCK: tl.constexpr):
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        live = i < n
-        a = tl.load(addrs + i, mask=live, other=-1).to(tl.int64)
-        inrange = live & (a >= 0) & (a < N)
-        tl.atomic_min(claim + tl.where(inrange, a, N), i.to(tl.int64), mask=inrange,
-                      sem="relaxed")
 
     @triton.jit
     def _g2_first_hits(addrs, claim, table, slot_of, status, block_want, victim_out, src_rank,
@@ -176,7 +167,7 @@ class FusedGates:
         """G1 (needs nothing from the peers: issue it before the all-gather)."""
         n = addrs.numel()
         if n:
-            fa._launch(_g1_claim, (-(-n // self.BLOCK),), addrs, self.b._claim, n,
+            fa._launch(_claim_in_range, (-(-n // self.BLOCK),), addrs, self.b._claim, n,
                        self.b.n_logical, BLOCK=self.BLOCK)
 
     def run(self, addrs: torch.Tensor, table: torch.Tensor, own: torch.Tensor,

@@ -5,12 +5,14 @@ compared table by table, counter by counter and byte by byte after every one."""
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ulacache.group import SelectionGroup, advance_policies
+from ulacache.kernels import fused_access
 from ulacache.kernels.fused_access import equivalence_state as state
 from ulacache.pblru import PBLRUArena
 
-__all__ = ["make_twins", "state", "assert_same", "TwinDriver"]
+__all__ = ["make_twins", "state", "assert_same", "TwinDriver", "DeviceOps"]
 
 
 def make_twins(n_layers: int = 2, n_logical: int = 400, gpu_slots: int = 64,
@@ -121,3 +123,21 @@ class TwinDriver:
     def advance(self) -> None:
         """A round start: the reference advances in torch, the fused twin in one launch."""
         self.both(lambda g: advance_policies([g.policy], g.policy.arena, g.fused is not None))
+
+
+class DeviceOps(TorchDispatchMode):
+    """Counts aten ops issued outside the fused launches (views and allocations are metadata,
+    not device work; the interpreter's own ops inside a launch belong to the launch)."""
+
+    FREE = ("view", "_reshape_alias", "reshape", "alias", "empty", "detach", "as_strided",
+            "_unsafe_view", "slice")
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not fused_access.in_launch() and name not in self.FREE:
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))

@@ -13,7 +13,8 @@ failed. Not collected by pytest (the file name does not start with ``test_``).
 
 Last runs (2026-12-01): all 29 core and TP mutants (20 core, 9 TP) caught, each by both runs
 (after the shared claim table); all 22 fused-path mutants (17 kernels, 5 TP gates) caught, each
-by both runs (after the fused TP gates).
+by both runs (after the fused TP gates); all 12 fused round-start and release mutants caught,
+each by both runs.
 """
 
 from __future__ import annotations

@@ -22,9 +22,8 @@ from hypothesis.stateful import (  # noqa: E402
     invariant,
     rule,
 )
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from tests.fused_helpers import TwinDriver, assert_same, make_twins  # noqa: E402
+from tests.fused_helpers import DeviceOps, TwinDriver, assert_same, make_twins  # noqa: E402
 from ulacache.errors import AddressError, CapacityExhausted, ConfigError  # noqa: E402
 from ulacache.group import COUNTERS, SelectionGroup  # noqa: E402
 from ulacache.kernels import fused_access  # noqa: E402
@@ -222,24 +221,6 @@ def test_fused_path_is_refused_where_it_cannot_run():
     assert SelectionGroup([0], 10, 4, 4, 16, "cpu", "lru").fused is None
 
 
-class _DeviceOps(TorchDispatchMode):
-    """Counts aten ops issued outside the fused launches (views and allocations are metadata,
-    not device work)."""
-
-    FREE = ("view", "_reshape_alias", "reshape", "alias", "empty", "detach", "as_strided",
-            "_unsafe_view", "slice")
-
-    def __init__(self):
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if not fused_access.in_launch() and name not in self.FREE:
-            self.ops.append(name)
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("shape", [(1, 64), (8, 32), (3, 300)])
 def test_one_access_is_four_launches_and_nothing_else(shape):
     """Through the dispatch layer: one access (and one placement) of the fused path issues
@@ -252,7 +233,7 @@ def test_one_access_is_four_launches_and_nothing_else(shape):
     fused.access(addrs, out)  # first call allocates the scratch
     fused.policy.advance()
     before = fused_access.launch_count()
-    with _DeviceOps() as mode:
+    with DeviceOps() as mode:
         fused.access(addrs, out)
     assert fused_access.launch_count() - before == fused_access.LAUNCHES_PER_CALL == 4
     assert mode.ops == [], f"device ops outside the fused launches: {mode.ops}"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ulacache.config import UlaCacheConfig
 from ulacache.errors import AddressError
@@ -17,26 +16,9 @@ from ulacache.kernels import fused_access, fused_policy, fused_release
 from ulacache.pblru import PBLRUArena
 from ulacache.space import AddressSpace
 
-from .fused_helpers import TwinDriver, make_twins, state
+from .fused_helpers import DeviceOps, TwinDriver, make_twins, state
 
 pytestmark = pytest.mark.skipif(not fused_access.available(), reason="needs Triton")
-
-
-class _DeviceOps(TorchDispatchMode):
-    """Aten ops issued outside the fused launches (views and allocations are metadata)."""
-
-    FREE = ("view", "_reshape_alias", "reshape", "alias", "empty", "detach", "as_strided",
-            "_unsafe_view", "slice")
-
-    def __init__(self):
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if not fused_access.in_launch() and name not in self.FREE:
-            self.ops.append(name)
-        return func(*args, **(kwargs or {}))
 
 
 def _drive_arenas(ref: PBLRUArena, fused: PBLRUArena, rounds: int, seed: int) -> None:
@@ -88,7 +70,7 @@ def test_fused_advance_is_one_launch_and_nothing_else():
     arena = PBLRUArena(61, 2000, 8)
     fused_policy.advance(arena)  # compile / interpret once outside the count
     before = fused_access.launch_count()
-    with _DeviceOps() as mode:
+    with DeviceOps() as mode:
         fused_policy.advance(arena)
     assert fused_access.launch_count() - before == 1
     assert mode.ops == [], f"device ops outside the launch: {mode.ops}"
@@ -124,7 +106,7 @@ def test_fused_release_is_three_launches_and_nothing_else():
     fused.release(torch.arange(0, 40))  # first call allocates the scratch
     gone = torch.arange(100, 1400, 3)
     before = fused_access.launch_count()
-    with _DeviceOps() as mode:
+    with DeviceOps() as mode:
         fused.release(gone)
     assert fused_access.launch_count() - before == fused_release.LAUNCHES_PER_RELEASE == 3
     assert mode.ops == [], f"device ops outside the fused launches: {mode.ops}"
