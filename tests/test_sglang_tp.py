@@ -542,7 +542,7 @@ def test_sizing_hook_charges_one_pth_of_the_latent_and_the_buffer(monkeypatch):
     from ulacache.errors import ConfigError
     from ulacache.patches import sglang_sizing as sz
     from ulacache.patches import sglang_tp_support as tps
-    from ulacache.sizing import table_bytes_per_slot
+    from ulacache.sizing import coordinator_output_bytes, table_bytes_per_slot
 
     monkeypatch.setattr(kvcm, "calculate_mla_kv_cache_dim", lambda **kw: 656)
     monkeypatch.setattr(rc, "get_schedule", lambda: types.SimpleNamespace(max_running_requests=8))
@@ -567,19 +567,20 @@ def test_sizing_hook_charges_one_pth_of_the_latent_and_the_buffer(monkeypatch):
             **{**vars(kvc), **kvc_changes}))
         return cfg._cell_size, cfg._fixed_overhead_bytes
 
+    out = coordinator_output_bytes(61, 8 + 1, 2048, 0)  # the coordinator's rows, 8 + 1 slots
     per, fixed = table_bytes_per_slot(61, ratio=5, page_size=64)
-    assert run(SGLangOptions()) == (latent + index_k + per, fixed + 64 * 61 * 656)  # DP
+    assert run(SGLangOptions()) == (latent + index_k + per, fixed + 64 * 61 * 656 + out)  # DP
     tp = SGLangOptions(mode="tp")
     assert run(tp, is_draft_worker=True) == (latent + index_k, 0)
     assert run(tp, use_mla_backend=False) == (latent + index_k, 0)
     B = 8 * 1 * 2049
     per, fixed = table_bytes_per_slot(61, ratio=5, page_size=64, tp_size=4, buffer_slots=B,
                                       layers=61)
-    assert run(tp) == (10004 + index_k + per, (B + 128) * 61 * 656 + fixed)
+    assert run(tp) == (10004 + index_k + per, (B + 128) * 61 * 656 + fixed + out)
     assert tps.SIZED == {"buffer_slots": B, "tp_size": 4}
     per, fixed = table_bytes_per_slot(61, ratio=5, page_size=64, tp_size=4, buffer_slots=1000,
                                       layers=61)
-    assert run(SGLangOptions(mode="tp", buffer_slots=1000))[1] == 1128 * 61 * 656 + fixed
+    assert run(SGLangOptions(mode="tp", buffer_slots=1000))[1] == 1128 * 61 * 656 + fixed + out
     monkeypatch.setattr(rc, "get_schedule",
                         lambda: types.SimpleNamespace(max_running_requests=None))
     with pytest.raises(ConfigError, match="--max-running-requests"):
