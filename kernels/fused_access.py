@@ -112,7 +112,8 @@ if triton is not None:
     C_ACCESS_OVERFLOW, C_PLACE_OVERFLOW = _c["access_overflow"], _c["place_overflow"]
     C_INVALID = _c["invalid"]
     # status bits of each entry (int32 scratch between the launches)
-    KEEP, FIRST, WANT, MOVED = (tl.constexpr(1 << b) for b in range(4))
+    KEEP, FIRST, WANT, MOVED, INVALID = (tl.constexpr(1 << b) for b in range(5))
+    INVALID_ROW = tl.constexpr(-2)  # ulacache.tp.INVALID_ROW: a TP owner's "not stored"
     NO_CLAIM = tl.constexpr(2**63 - 1)
     FREE = tl.constexpr(-(2**62))
 
@@ -201,14 +202,18 @@ if triton is not None:
         phys = tl.load(loc + safe, mask=live, other=-1)
         if PLACE:
             keep = inrange & (phys < 0)
+            st = keep.to(tl.int32)
         else:
             keep = inrange & (phys >= 0)
             bad = live & (raw != -1) & ~keep & ~peers
             tl.atomic_add(counters + C_INVALID, tl.sum(bad.to(tl.int64)), sem="relaxed")
+            st = keep.to(tl.int32)
+            if TPP > 1:  # K4 writes the owner's "not stored" verdict for the peers' table
+                st = st | tl.where(bad, INVALID, 0)
         tl.atomic_min(claim + safe, i.to(tl.int64), mask=keep, sem="relaxed")
         tl.store(local + i, a, mask=live)
         tl.store(phys_out + i, phys, mask=live)
-        tl.store(status + i, keep.to(tl.int32), mask=live)
+        tl.store(status + i, st, mask=live)
 
     @triton.jit
     def _k2_first_touch(local, claim, phys_in, status, block_want, victim_out, counters,
@@ -394,6 +399,7 @@ if triton is not None:
             a = tl.load(local + i, mask=keep, other=N)
             rows = tl.load(loc + tl.where(keep, a, N), mask=keep, other=-1)
             rows = tl.where(keep & (rows >= 0) & (rows < G), rows + row_base, -1)
+            rows = tl.where((st & INVALID) != 0, INVALID_ROW, rows)  # TP stripes only
             tl.store(out + i, rows.to(tl.int32), mask=live)
 
     @triton.jit

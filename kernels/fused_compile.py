@@ -66,7 +66,8 @@ def record_launches(n_layers: int = 2, gpu_slots: int = 4096, row_bytes: int = 6
         own = torch.empty(addrs.shape, dtype=torch.int32)
         gates.claim_first(addrs)
         gates.run(addrs, torch.empty(8, addrs.numel(), dtype=torch.int32), own,
-                  torch.empty(addrs.shape, dtype=torch.int32), torch.zeros(9, dtype=torch.int64))
+                  torch.empty(addrs.shape, dtype=torch.int32), torch.zeros(9, dtype=torch.int64),
+                  torch.zeros(11, dtype=torch.int64))
         from ulacache.pblru import PBLRUArena
 
         from . import fused_policy

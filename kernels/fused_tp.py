@@ -36,7 +36,8 @@ if fa.triton is not None:
     import triton
     import triton.language as tl
 
-    from .fused_access import NO_CLAIM, _claim_in_range, _touch, _victim_order, _victims
+    from .fused_access import (C_INVALID, INVALID_ROW, NO_CLAIM, _claim_in_range, _touch,
+                               _victim_order, _victims)
 
     _t = {name: tl.constexpr(col) for name, col in TP_COUNTER_COLUMNS.items()}
     T_SELECTED, T_OWN, T_HITS, T_FETCHES = (_t["selected"], _t["own_rows"], _t["buffer_hits"],
@@ -47,7 +48,7 @@ if fa.triton is not None:
 
     @triton.jit
     def _g2_first_hits(addrs, claim, table, slot_of, status, block_want, victim_out, src_rank,
-                       src_slot, dst_row, counters,
+                       src_slot, dst_row, counters, dp_counters,
                        bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr, epoch_ptr,
                        entered, n, N, P, RANK, W1, S1, H1,
                        NB: tl.constexpr, HY: tl.constexpr, BLOCK: tl.constexpr):
@@ -79,7 +80,12 @@ if fa.triton is not None:
         tl.atomic_add(counters + T_OWN, tl.sum((first & mine).to(tl.int64)), sem="relaxed")
         tl.atomic_add(counters + T_HITS, tl.sum((first & hit).to(tl.int64)), sem="relaxed")
         tl.atomic_add(counters + T_MISSING,
-                      tl.sum((first & theirs & ~hit & (oslot < 0)).to(tl.int64)), sem="relaxed")
+                      tl.sum((first & theirs & ~hit & (oslot == -1)).to(tl.int64)),
+                      sem="relaxed")
+        # an address its owner does not store is invalid on every rank (every entry, as the
+        # owner's own K1 counts it)
+        tl.atomic_add(dp_counters + C_INVALID,
+                      tl.sum((theirs & (oslot == INVALID_ROW)).to(tl.int64)), sem="relaxed")
 
     @triton.jit
     def _g3_claim_slots(addrs, table, status, block_want, victim_out, counters,
@@ -138,6 +144,7 @@ if fa.triton is not None:
         mine = inrange & (a % P == RANK)
         theirs = inrange & ~mine
         mine_row = tl.load(own + i, mask=mine, other=-1).to(tl.int64)
+        mine_row = tl.where(mine_row >= 0, mine_row, -1)  # the owner's verdicts read as padding
         bslot = tl.load(slot_of + tl.where(theirs, a, N), mask=theirs, other=-1).to(tl.int64)
         row = tl.where(mine, mine_row, tl.where(theirs & (bslot >= 0), G + 1 + bslot, -1))
         tl.store(out + i, row.to(tl.int32), mask=live)
@@ -171,11 +178,13 @@ class FusedGates:
                        self.b.n_logical, BLOCK=self.BLOCK)
 
     def run(self, addrs: torch.Tensor, table: torch.Tensor, own: torch.Tensor,
-            out: torch.Tensor, counters: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            out: torch.Tensor, counters: torch.Tensor, dp_counters: torch.Tensor
+            ) -> tuple[torch.Tensor, ...]:
         """G2..G4 (after :meth:`claim_first` and the all-gather). ``addrs``: flat global
-        ``int32|int64 [n]``; ``table``: ``int32 [P, n]`` owners' rows; ``own``: this rank's
-        ``int32 [n]``; ``out``: ``int32 [n]``. Returns the plan (src_rank, src_slot,
-        dst_row)."""
+        ``int32|int64 [n]``; ``table``: ``int32 [P, n]`` owners' rows (``-2``: the owner
+        stores no such address); ``own``: this rank's ``int32 [n]``; ``out``: ``int32 [n]``;
+        ``counters``: the group's TP counters, ``dp_counters``: its DP counters (``invalid``).
+        Returns the plan (src_rank, src_slot, dst_row)."""
         b, p = self.b, self.b.policy
         n = addrs.numel()
         status, victim, *plan, block_want = self.scratch(n)
@@ -186,7 +195,8 @@ class FusedGates:
         stamps = (p.round_of, p.epoch_of, p.round_t, p.epoch_t, p.entered)
         N = b.n_logical
         fa._launch(_g2_first_hits, grid, addrs, b._claim, table, b.slot_of, status, block_want,
-                   victim, *plan, counters, *pol, *stamps, n, N, self.P, self.rank, self.w1,
+                   victim, *plan, counters, dp_counters, *pol, *stamps, n, N, self.P,
+                   self.rank, self.w1,
                    self.s1, self.h1, NB=self.nb, HY=self.hy, BLOCK=self.BLOCK)
         fa._launch(_g3_claim_slots, grid, addrs, table, status, block_want, victim, counters,
                    *pol, p.epoch_t, b.slot_of, b.holder, *plan, n, self.G, b.n_slots, self.P,

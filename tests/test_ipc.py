@@ -138,6 +138,9 @@ def test_thread_stale_handles_name_the_rank(size):
         _expect_handle_error(peers, "lonely", bad, "never allocated")
         peers.alloc_shared("odd", (2, 3 + (peers.rank == bad)), torch.float32)
         _expect_handle_error(peers, "odd", bad, "[2, 4]")
+        # same shape, another dtype (a view of it would reinterpret the owner's bytes)
+        peers.alloc_shared("dtype", (2, 3), torch.float16 if peers.rank == bad else torch.float32)
+        _expect_handle_error(peers, "dtype", bad, "torch.float16")
         _check_all_gather(peers)  # the failed opens left the ranks' collectives aligned
         return True
 
@@ -278,6 +281,8 @@ def _check_shm_stale(peers: ipc.ShmPeers) -> None:
     _expect_handle_error(peers, "lonely", bad, "never allocated")
     peers.alloc_shared("odd", (3, 5 + (rank == bad)), torch.int32)
     _expect_handle_error(peers, "odd", bad, "[3, 6]")
+    peers.alloc_shared("dtype", (3, 5), torch.int16 if rank == bad else torch.int32)
+    _expect_handle_error(peers, "dtype", bad, "torch.int16")
 
 
 @pytest.mark.parametrize("size", [2, 4])

@@ -152,7 +152,9 @@ class UlaCache:
         try:  # control plane: an exact host check of every group (and rank) is fine here
             self.space.check_place(addrs)
         except Exception:
-            for new in got:
+            # the free list is a stack: give the pages back in reverse order of allocation so
+            # that a refusal leaves the allocator exactly as it was (same hand-out order)
+            for new in reversed(got):
                 self.pages.free(new)
             raise
         for (req, n, g), new in zip(plan, got):
@@ -176,6 +178,8 @@ class UlaCache:
         if bool(((pos < -1) | (pos >= req.n_tokens)).any()):
             raise AddressError(f"addresses: positions must be -1 or in [0, {req.n_tokens}) for "
                                f"request {rid!r}")
+        if req.n_tokens == 0:  # nothing allocated yet: only -1 padding can be asked for
+            return torch.full_like(pos, -1)
         return torch.where(pos >= 0, table[pos.clamp(min=0)], -1)
 
     # -- end of a request ------------------------------------------------------------------

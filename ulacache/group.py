@@ -118,6 +118,17 @@ def new_claim_table(n_logical: int, device: torch.device) -> torch.Tensor:
     return allocate((n_logical + 1,), torch.int64, device, "the claim table", fill=_NO_CLAIM)
 
 
+def check_out(out: torch.Tensor | None, shape: torch.Size, device: torch.device,
+              what: str) -> None:
+    """Refuse (:class:`ShapeError`, metadata only: no sync) a preallocated result tensor that
+    is not ``int32 [*shape]`` on ``device``; ``None`` passes."""
+    if out is not None and (not isinstance(out, torch.Tensor) or out.dtype != torch.int32
+                            or out.shape != shape or out.device != device):
+        got = f"{out.dtype} {tuple(out.shape)} on {out.device}" \
+            if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ShapeError(f"{what}: out must be int32 {tuple(shape)} on {device}, got {got}")
+
+
 def first_occurrence(claim: torch.Tensor, safe: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """``keep`` (``bool [n]``) restricted to the first occurrence of each index of ``safe``
     (``int64 [n]``, in range of ``claim``). ``claim`` is an ``int64`` table all ``_NO_CLAIM``
@@ -324,6 +335,22 @@ class SelectionGroup:
     def write(self, layer: int, addrs: torch.Tensor, rows: torch.Tensor) -> None:
         """Write ``uint8 [n, row_bytes]`` rows of one ``layer`` (a global layer id of this
         group) for distinct live ``addrs int [n]`` (``-1`` skipped), wherever they live."""
+        li, phys = self._write_plan(layer, addrs, rows)
+        G = self.gpu_slots
+        gidx = torch.where((phys >= 0) & (phys < G), phys, G)
+        self.pools.gpu[li].index_copy_(0, gidx, rows.to(self.device))
+        cidx = torch.where(phys >= G, phys - G, self.cpu_slots).to(self.pools.cpu.device)
+        self.pools.cpu[li].index_copy_(0, cidx, rows.to(self.pools.cpu.device))
+
+    def check_write(self, layer: int, addrs: torch.Tensor, rows: torch.Tensor) -> None:
+        """Raise what :meth:`write` would raise, changing nothing (host-side: synchronises).
+        TP mode runs it on every rank before any rank writes."""
+        self._write_plan(layer, addrs, rows)
+
+    def _write_plan(self, layer: int, addrs: torch.Tensor, rows: torch.Tensor
+                    ) -> tuple[int, torch.Tensor]:
+        """(layer index in the group, physical place of each address) after every check of a
+        write: types, shapes, devices, and distinct live addresses."""
         li = self._li(layer)
         flat = self._index_tensor(addrs, "write: addrs")
         want = (flat.numel(), self.pools.row_bytes)
@@ -334,12 +361,11 @@ class SelectionGroup:
             raise ShapeError(f"write: rows must be uint8 {want}, got {got}")
         if rows.device not in (self.device, torch.device("cpu")):
             raise ShapeError(f"write: rows must be on {self.device} or the CPU, got {rows.device}")
-        phys = self._resolve(flat, "write")
-        G = self.gpu_slots
-        gidx = torch.where((phys >= 0) & (phys < G), phys, G)
-        self.pools.gpu[li].index_copy_(0, gidx, rows.to(self.device))
-        cidx = torch.where(phys >= G, phys - G, self.cpu_slots).to(self.pools.cpu.device)
-        self.pools.cpu[li].index_copy_(0, cidx, rows.to(self.pools.cpu.device))
+        return li, self._resolve(flat, "write")
+
+    def check_read(self, addrs: torch.Tensor) -> None:
+        """Raise what :meth:`read` would raise, changing nothing (host-side: synchronises)."""
+        self._resolve(self._index_tensor(addrs, "read: addrs"), "read", distinct=False)
 
     def read(self, layer: int, addrs: torch.Tensor) -> torch.Tensor:
         """Rows of distinct live addresses, from whichever tier holds them: ``uint8 [n,
@@ -390,12 +416,7 @@ class SelectionGroup:
         (:data:`ACCESS_PATHS`) does the same in four launches with identical results.
         """
         self._index_meta(addrs, "access: addrs", dims=2)
-        if out is not None and (not isinstance(out, torch.Tensor) or out.dtype != torch.int32
-                                or out.shape != addrs.shape or out.device != self.device):
-            got = f"{out.dtype} {tuple(out.shape)} on {out.device}" \
-                if isinstance(out, torch.Tensor) else type(out).__name__
-            raise ShapeError(f"access: out must be int32 {tuple(addrs.shape)} on {self.device}, "
-                             f"got {got}")
+        check_out(out, addrs.shape, self.device, "access")
         if self.fused is not None:
             return self._access_fused(addrs, out)
         flat = addrs.reshape(-1).to(torch.int64)

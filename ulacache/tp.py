@@ -27,7 +27,10 @@ copied into every other rank's buffer from the rows each rank computed itself (T
 compute identical latent rows), so no rank reads a row from a peer in the round it is written.
 
 Collective calls (every rank calls them in the same order with the same arguments):
-``begin_round``, ``place``, ``plan``, ``access``, ``release``, ``read``, ``check_integrity``.
+``begin_round``, ``place``, ``plan``, ``access``, ``release``, ``write``, ``read``,
+``check_integrity``. Host-checked calls (``write``, ``read``, and the rest with validate on)
+agree on one verdict (:meth:`TPAddressSpace._agree`) before any rank mutates or enters the
+call's own collective, so every rank raises the same typed error or none does.
 
 Contract of a plan: every layer of the group calls :meth:`load` after the group's
 :meth:`plan` and before the next :meth:`begin_round` (SGLang's layer loop does: every layer's
@@ -49,7 +52,7 @@ from .address import local_position, owner_rank
 from .buffer import LocalBuffer
 from .config import UlaCacheConfig
 from .errors import AddressError, CapacityExhausted, ShapeError, UlaCacheError
-from .group import COUNTERS, add_counts, advance_policies, new_claim_table
+from .group import COUNTERS, add_counts, advance_policies, check_out, new_claim_table
 from .health import CounterMonitor
 from .pblru import PBLRUArena
 from .pools import resolve_device
@@ -64,7 +67,8 @@ TP_COUNTERS = ("selected", "own_rows", "buffer_hits", "peer_fetches", "peer_miss
 - ``selected``: distinct valid selections; ``own_rows``: those this rank owns (gate b, read
   in place); ``buffer_hits``: peers' rows already in the buffer (gate a);
   ``peer_fetches``: peers' rows copied owner GPU -> buffer (gate c, once per layer);
-- ``peer_missing``: peers' rows their owner could not serve (its overflow; read as padding);
+- ``peer_missing``: peers' live rows their owner could not serve (its overflow; read as
+  padding); a selection its owner does not store at all is ``invalid`` on every rank;
 - ``buffer_overflow``: peers' rows with no buffer slot this round (read as padding, or for a
   new row: left to its owner);
 - ``new_buffered``: new rows copied into the buffer at placement; ``buffer_evictions``:
@@ -91,6 +95,11 @@ def buffer_used(values: dict[str, int]) -> dict[str, int]:
 
 
 _ERRORS = (ShapeError, AddressError, CapacityExhausted, UlaCacheError)  # verdict order
+
+INVALID_ROW = -2
+"""An owner's entry in the exchanged slot table for an address it does not store (never
+placed, or released): its peers count it ``invalid``, as the owner does, not
+``peer_missing`` (which means the owner could not make a live row resident)."""
 
 
 class _Plan:
@@ -359,13 +368,20 @@ class TPAddressSpace:
     # -- data (host-checked: tests and tools) -------------------------------------------------
     def write(self, layer: int, addrs: torch.Tensor, rows: torch.Tensor) -> None:
         """Rows of one layer for live addresses (every rank passes the same rows): the owner
-        stores its rows, the others refresh the copies they hold. Not collective."""
+        stores its rows, the others refresh the copies they hold. Collective (host-checked:
+        every rank agrees on the verdict before any rank writes, so a refused write changes
+        no rank's rows or copies)."""
         gi = self._group_of(layer)
         flat, inrange, mine, lpos = self._split(addrs, "write: addrs")
-        if bool(((flat != -1) & ~inrange).any()):
-            raise AddressError(f"write: addrs out of range [0, {self.n_logical})")
+        g = self.local.groups[gi]
+
+        def check():
+            if bool(((flat != -1) & ~inrange).any()):
+                raise AddressError(f"write: addrs out of range [0, {self.n_logical})")
+            g.check_write(layer, lpos, rows)  # shapes, and this rank's addresses live
+        self._agree(check)
         with self.stream.scope():
-            self.local.groups[gi].write(layer, lpos, rows)  # shape and liveness checks
+            g.write(layer, lpos, rows)
             b = self.buffers[gi]
             slot = b.lookup(torch.where(inrange & ~mine, flat, self.n_logical))
             dst = torch.where(slot >= 0, self.gpu_slots + 1 + slot, -1)
@@ -377,10 +393,16 @@ class TPAddressSpace:
         live (GPU or CPU tier); zeros for ``-1``. Collective (tests and tools)."""
         gi = self._group_of(layer)
         flat, inrange, mine, lpos = self._split(addrs, "read: addrs")
-        if bool(((flat != -1) & ~inrange).any()):
-            raise AddressError(f"read: addrs out of range [0, {self.n_logical})")
+        g = self.local.groups[gi]
+
+        def check():
+            if bool(((flat != -1) & ~inrange).any()):
+                raise AddressError(f"read: addrs out of range [0, {self.n_logical})")
+            g.check_read(lpos)  # this rank's addresses live
+        # an owner that cannot serve an address must not leave its peers in the all-gather
+        self._agree(check)
         with self.stream.scope():
-            own = self.local.groups[gi].read(layer, lpos)
+            own = g.read(layer, lpos)
         own = torch.where(mine.unsqueeze(1), own, torch.zeros((), dtype=torch.uint8))
         everyone = self.peers.all_gather(own.contiguous())
         owner = torch.where(inrange, owner_rank(flat, self.P), 0)
@@ -398,6 +420,7 @@ class TPAddressSpace:
         b = self.buffers[group]
         if not isinstance(addrs, torch.Tensor) or addrs.dim() != 2:
             raise ShapeError("plan: addrs must be an int tensor [bs, k]")
+        check_out(out, addrs.shape, self.device, "plan")
         if self._gates is not None and not self.validate:  # production: no torch ops here
             return self._plan_fused(group, addrs, out)
         flat, inrange, mine, lpos = self._split(addrs, "plan: addrs")
@@ -426,9 +449,16 @@ class TPAddressSpace:
             # 1. own rows (promotions included), 2. exchange: also the data-ready fence
             own = g.access(lpos.view(shape)).reshape(-1)
             self._count_out_of_range([g], flat, inrange)
-            table = self.peers.all_gather(own.view(shape)).reshape(self.P, -1)
+            # the owner's verdict travels in its rows of the table: a slot, -1 (padding, or
+            # it could not make the row resident) or INVALID_ROW (it stores no such address)
+            dead = mine & (g.loc[torch.where(mine, lpos, g.n_logical)] < 0)
+            verdict = torch.where(dead, INVALID_ROW, own)
+            table = self.peers.all_gather(verdict.view(shape)).reshape(self.P, -1)
             owner = torch.where(inrange, owner_rank(flat, self.P), 0)
             owner_slot = table.gather(0, owner.unsqueeze(0)).squeeze(0).to(torch.int64)
+            # every rank counts a never-placed address as invalid, as its owner does
+            add_counts(g.counters, COUNTERS,
+                       {"invalid": (theirs & (owner_slot == INVALID_ROW)).sum()})
             # 3. gates: buffer hit, else a claimed slot and a listed copy
             bslot = b.lookup(safe)
             first = b.first(safe, inrange)
@@ -445,7 +475,7 @@ class TPAddressSpace:
                                        torch.where(fetch, self.gpu_slots + 1 + got, -1))
             self._count(group, selected=first.sum(), own_rows=(first & mine).sum(),
                         buffer_hits=(first & hit).sum(), peer_fetches=fetch.sum(),
-                        peer_missing=(first & theirs & ~hit & (owner_slot < 0)).sum(),
+                        peer_missing=(first & theirs & ~hit & (owner_slot == -1)).sum(),
                         buffer_overflow=(want & ~fetch).sum(), buffer_evictions=evicted)
             rows = row.view(shape)
             if out is None:
@@ -469,7 +499,8 @@ class TPAddressSpace:
             g.fused.run(flat, place=False, out=own, stripe=(self.P, self.rank, self.n_logical))
             gates.claim_first(flat)
             table = self.peers.all_gather(own.view(addrs.shape)).reshape(self.P, -1)
-            plan = gates.run(flat, table, own, rows.view(-1), self.tp_counters[group])
+            plan = gates.run(flat, table, own, rows.view(-1), self.tp_counters[group],
+                             g.counters)
             self._plans[group] = _Plan(*plan)
         if out is not None and rows is not out:
             out.copy_(rows)
