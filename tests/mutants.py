@@ -5,6 +5,7 @@
     python tests/mutants.py fused      # only the fused-kernel mutants (test_fused_access.py)
     python tests/mutants.py fused_tp   # the fused TP gates (test_fused_tp.py)
     python tests/mutants.py fused_round  # fused round start and release (test_fused_policy.py)
+    python tests/mutants.py hostile    # refusals and TP verdicts (test_hostile_calls.py)
 
 Copies the repository to a temporary directory, applies each mutant below (one line of the core
 changed the way a tired engineer might), runs the core tests there twice with the derandomized
@@ -174,6 +175,30 @@ FUSED_ROUND_MUTANTS = [  # the fused round start and release, vs the torch polic
     (FR, "        tl.store(loc + safe, tl.full(safe.shape, -1, tl.int64), mask=drop)\n", "",
      "fused release: released rows stay mapped"),
 ]
+H = "ulacache/space.py"
+HOSTILE_TESTS = ["tests/test_hostile_calls.py", "tests/test_ipc.py", "-k", "not shm"]
+HOSTILE_MUTANTS = [  # refusals that change nothing, and TP verdicts every rank shares
+    (H, "            if self.validate:  # every group accepts before any group changes\n"
+        "                for g in self.groups:\n                    g.check_place(addrs)\n", "",
+     "a later group's refusal after an earlier group placed"),
+    ("ulacache/cache.py", "for new in reversed(got):", "for new in got:",
+     "a refused extend_batch reorders the free pages"),
+    ("ulacache/cache.py", "        if req.n_tokens == 0:", "        if False:",
+     "addresses of padding on an empty request"),
+    (TPF, "self.n_local = -(-n_logical // self.P)", "self.n_local = n_logical // self.P",
+     "TP: the last local position lost when P does not divide n"),
+    (TPF, "            self.peers.fence()\n", "", "TP: no fence at the round start"),
+    (TPF, "            g.check_write(layer, lpos, rows)  # shapes", "            pass  # shapes",
+     "TP write: ranks write before the owner's verdict"),
+    (TPF, "            g.check_read(lpos)  # this rank's", "            pass  # this rank's",
+     "TP read: an owner raises while its peers gather"),
+    (TPF, '        check_out(out, addrs.shape, self.device, "plan")\n', "",
+     "TP plan: a wrong out accepted"),
+    (TPF, "dead = mine & (g.loc[torch.where(mine, lpos, g.n_logical)] < 0)",
+     "dead = mine & False", "TP: a never-placed peer address counted peer_missing"),
+    ("ulacache/ipc.py", 'if (m["shape"], m["dtype"]) != (ref["shape"], ref["dtype"]):',
+     'if m["shape"] != ref["shape"]:', "open_peers: a dtype mismatch accepted"),
+]
 # Not listed: equivalent mutants (no observable change), e.g. PBLRU.touch moving a slot that is
 # already in the current bucket to the current bucket again (the bit and count moves cancel).
 
@@ -198,7 +223,8 @@ def main() -> int:
                   "tp": [(*m, TP_TESTS) for m in TP_MUTANTS],
                   "fused": [(*m, FUSED_TESTS) for m in FUSED_MUTANTS],
                   "fused_tp": [(*m, FUSED_TP_TESTS) for m in FUSED_TP_MUTANTS],
-                  "fused_round": [(*m, FUSED_ROUND_TESTS) for m in FUSED_ROUND_MUTANTS]}
+                  "fused_round": [(*m, FUSED_ROUND_TESTS) for m in FUSED_ROUND_MUTANTS],
+                  "hostile": [(*m, HOSTILE_TESTS) for m in HOSTILE_MUTANTS]}
         chosen = sys.argv[1:] or list(suites)
         if set(chosen) - set(suites):
             print(f"usage: python tests/mutants.py [{' | '.join(suites)}] ...")

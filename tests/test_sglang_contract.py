@@ -317,6 +317,16 @@ def test_prefill_longer_than_gpu_pool_is_refused_not_corrupted():
     h.check()
 
 
+def test_prefill_that_exactly_fills_the_gpu_pool_is_served():
+    """512 tokens into a 512-slot GPU pool: one round, every slot; the rows read back, the next
+    decode step spills a victim to the CPU tier, and finishing frees both tiers."""
+    h = Harness(False)
+    h.prefill(0, 512, chunk=512)
+    assert int(h.pool.core.groups[0].policy.eligible()) == 0  # every slot taken this round
+    h.decode_step([0])
+    h.finish(0, "finish")
+
+
 def test_every_core_mutation_is_on_the_producer_stream():
     """Under SGLang the scheduler calls the allocator and coordinator from its own stream; with
     the forward stream set as producer, the core issues every mutation on it (a stream-order
