@@ -58,12 +58,11 @@ import sys
 import tempfile
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
 for _p in (str(ROOT), str(ROOT / "bench")):  # the core; decode_rows beside this file
@@ -72,6 +71,7 @@ for _p in (str(ROOT), str(ROOT / "bench")):  # the core; decode_rows beside this
 
 from ulacache.group import COUNTERS  # noqa: E402
 from ulacache.tools.hisparse import RESERVED_SLOTS, HiSparseBuffer  # noqa: E402
+from ulacache.tools.launches import count_launches, fused_countable, step_launches  # noqa: E402
 from ulacache.tools.residency import Residency  # noqa: E402
 from ulacache.tools.traces import Trace, load_trace  # noqa: E402
 
@@ -308,79 +308,6 @@ def capacity_ok(policy: str, cfg: Config, running: int, reserved: int, req: Requ
     raise ValueError(policy)
 
 
-def count_launches(path: str, groups: int, k: int = 64, batch: int = 4) -> dict[str, int]:
-    """Device launches of ulacache's decode-step control plane on ``path`` (``"fused"`` or
-    ``"torch"``), counted on a small real core: ``round`` (one round start of ``groups``
-    PB-LRU policies in an arena, as an address space holds them), and per group ``place``
-    (``batch`` new tokens), ``access`` (``[batch, k]`` selections) and ``release`` (a finished
-    request's addresses); ``syncs``: host-syncing ops among them. Fused: Triton launches (the
-    interpreter runs them on CPU) plus every aten op outside them; torch: aten ops, views
-    excluded. Neither depends on the sizes (fixed-shape code; tests hold the fused counts)."""
-    from ulacache.group import advance_policies
-    from ulacache.pblru import PBLRUArena
-
-    fused = path == "fused"
-    if fused:
-        from ulacache.kernels import fused_access
-        if not fused_access.available():
-            raise SystemExit("--ula-path fused counts the Triton kernels: pip install "
-                             "'ulacache[cuda]' (or run --ula-path torch)")
-    # on CUDA the kernels run there (on CPU tensors they need Triton's interpreter)
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    res = Residency("pblru", 4096, 16384, 8, device=dev, access_path=path)
-    g = res.group
-    g.place(torch.arange(6000, device=dev))
-    res.new_round()
-    sel = torch.randint(0, 6000, (batch, k), generator=torch.Generator().manual_seed(0)).to(dev)
-    arena = PBLRUArena(groups, 64, 8, dev)
-    new = torch.arange(6000, 6000 + batch, device=dev)
-    calls = {
-        "round": lambda: advance_policies(arena.policies, arena, fused),
-        "place": lambda: g.place(new),
-        "access": lambda: g.access(sel),
-        "release": lambda: g.release(new),
-    }
-    out, syncs = {}, 0
-    for name, call in calls.items():
-        before = fused_access.launch_count() if fused else 0
-        with OpCounter(skip_launches=fused) as oc:
-            call()
-        out[name] = oc.launches + (fused_access.launch_count() - before if fused else 0)
-        syncs += oc.syncs
-    out["syncs"] = syncs
-    return out
-
-
-_NO_KERNEL = ("view", "squeeze", "expand", "slice", "select", "alias", "detach", "as_strided",
-              "scalar_tensor", "permute", "transpose", "reshape", "aten.t.", "empty")
-_SYNCS = ("nonzero", "_local_scalar_dense", "item")
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts aten ops at the dispatcher: ``launches`` (ops other than views and scalar
-    wrappers: each a kernel launch on a GPU) and ``syncs`` (ops that need the host on a GPU).
-    ``skip_launches``: ops issued inside a fused Triton launch (the interpreter's own work on
-    CPU) are not counted; the launch itself is, by the caller."""
-
-    def __init__(self, skip_launches: bool = False):
-        super().__init__()
-        self.launches = self.syncs = 0
-        self.skip = skip_launches
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func)
-        if self.skip:
-            from ulacache.kernels import fused_access
-
-            if fused_access.in_launch():
-                return func(*args, **(kwargs or {}))
-        if not any(x in name for x in _NO_KERNEL):
-            self.launches += 1
-        if any(x in name for x in _SYNCS):
-            self.syncs += 1
-        return func(*args, **(kwargs or {}))
-
-
 @dataclass
 class _Live:
     req: Request
@@ -401,10 +328,27 @@ def attention_seconds(cfg: Config, n_selected: int) -> float:
 
 def ula_control_seconds(cfg: Config, counts: dict[str, int], finished: bool) -> float:
     """Modelled control-plane time of one ulacache decode step from launch ``counts``
-    (:func:`count_launches`): a round start, placement + access per group (one group per
-    layer), a release per group when requests finished."""
-    per_group = counts["place"] + counts["access"] + (counts["release"] if finished else 0)
-    return (counts["round"] + cfg.layers * per_group) * cfg.launch_us * 1e-6
+    (:func:`ulacache.tools.launches.count_launches`): a round start, placement + access per
+    group (one group per layer), a release per group when requests finished."""
+    return step_launches(counts, cfg.layers, finished) * cfg.launch_us * 1e-6
+
+
+def launch_counts(cfg: Config) -> dict[str, dict[str, int]]:
+    """ulacache's launch counts per path (:func:`count_launches`); without Triton the fused
+    path is not counted (logged) and the sweep times the torch path."""
+    paths = ["torch"]
+    if fused_countable():
+        paths.insert(0, "fused")
+    else:
+        logger.warning("Triton is not installed: the fused path's launches were not counted "
+                       "and the sweep times ulacache on the torch path (pip install "
+                       "'ulacache[cuda]' to count the fused kernels)")
+    return {path: count_launches(path, cfg.layers) for path in paths}
+
+
+def timed_path(cfg: Config, counts: dict[str, dict[str, int]]) -> Config:
+    """``cfg``, on the torch path where its ``ula_path`` was not counted (no Triton)."""
+    return replace(cfg, ula_path="torch") if counts and cfg.ula_path not in counts else cfg
 
 
 def run_level(policy: str, concurrency: int, cfg: Config, requests: list[Request],
@@ -421,7 +365,8 @@ def run_level(policy: str, concurrency: int, cfg: Config, requests: list[Request
     free_addrs = None
     real = None  # --real-rows: decode_rows.RealRows of this level
     if policy == "ulacache":
-        counts = counts or {path: count_launches(path, cfg.layers) for path in ("fused", "torch")}
+        counts = counts or launch_counts(cfg)
+        cfg = timed_path(cfg, counts)
         if cfg.real_rows:  # one layer of real rows on the device, the serving access path
             ula = Residency("pblru", cfg.gpu_rows, cfg.gpu_rows + cfg.host_rows, cfg.buckets,
                             device=cfg.device, layers=1, row_bytes=cfg.row_bytes)
@@ -440,7 +385,7 @@ def run_level(policy: str, concurrency: int, cfg: Config, requests: list[Request
     tot = dict(acc=0, hit=0, h2d=0, d2h=0, ctl=0.0, pcie=0.0, attn=0.0, step=0.0, tokens=0,
                cpu=0.0, overflow=0, finished=0, admitted=[], steps=0, launches=0,
                step_other=0.0)
-    other_path = "torch" if cfg.ula_path == "fused" else "fused"
+    other_path = next((p for p in (counts or {}) if p != cfg.ula_path), None)
     for _ in range(cfg.steps):
         while pending and pending[0].arrival_s <= now:
             waiting.append(pending.popleft())
@@ -514,7 +459,8 @@ def run_level(policy: str, concurrency: int, cfg: Config, requests: list[Request
         ctl_other = 0.0
         if ula is not None:
             ctl = ula_control_seconds(cfg, counts[cfg.ula_path], finishing)
-            ctl_other = ula_control_seconds(cfg, counts[other_path], finishing)
+            ctl_other = ula_control_seconds(cfg, counts[other_path], finishing) \
+                if other_path else ctl
             tot["launches"] += round(ctl / (cfg.launch_us * 1e-6))
         else:
             ctl = cfg.layers * (cfg.hs_launches if policy == "hisparse" else 0) \
@@ -589,8 +535,8 @@ def run_level(policy: str, concurrency: int, cfg: Config, requests: list[Request
 
 def sweep(cfg: Config, levels: list[int], requests: list[Request], model: LocalityModel,
           policies=POLICIES, progress: bool = True) -> dict:
-    counts = {path: count_launches(path, cfg.layers) for path in ("fused", "torch")} \
-        if "ulacache" in policies else {}
+    counts = launch_counts(cfg) if "ulacache" in policies else {}
+    cfg = timed_path(cfg, counts)
     for path, c in counts.items():
         logger.info("ulacache launches on the %s path: %s", path, c)
     jobs = [(c, p) for c in levels for p in policies]
@@ -619,7 +565,7 @@ def sweep(cfg: Config, levels: list[int], requests: list[Request], model: Locali
         for other in ("hisparse", "resident"):
             if hidden.get(other):
                 ratios[f"ulacache_pcie_hidden/{other}"] = hidden["ulacache"] / hidden[other]
-    if "ulacache" in peak:  # the same sweep timed with the other path's launch counts
+    if "ulacache" in peak and len(counts) > 1:  # timed with the other path's launch counts
         alt = max(r["tokens_per_s_other_path"] for r in rows if r["policy"] == "ulacache")
         for other in ("hisparse", "resident"):
             if peak.get(other):
@@ -677,7 +623,7 @@ def markdown(res: dict) -> str:
     counts = res.get("ula_launch_counts") or {}
     if counts:
         path = cfg["ula_path"]
-        other = "torch" if path == "fused" else "fused"
+        other = next((p for p in counts if p != path), None)
 
         def desc(c: dict) -> str:
             return (f"round start {c['round']} (all {cfg['layers']} groups), per group: place "
@@ -688,8 +634,12 @@ def markdown(res: dict) -> str:
                      f"{cfg['launch_us']} us per launch): {desc(counts[path])}")
         alt = ", ".join(f"{k.split('/')[1]} x{v:.2f}" for k, v in res["peak_ratios"].items()
                         if k.startswith("ulacache_other_path"))
-        lines.append(f"The same sweep on the {other} path ({desc(counts[other])}): "
-                     f"ulacache/{alt}")
+        if other:
+            lines.append(f"The same sweep on the {other} path ({desc(counts[other])}): "
+                         f"ulacache/{alt}")
+        else:
+            lines.append("The fused path's launches were not counted (Triton is not "
+                         "installed: pip install 'ulacache[cuda]').")
     return "\n".join(lines) + "\n"
 
 

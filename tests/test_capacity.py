@@ -1,4 +1,4 @@
-"""bench/capacity.py: the paper's two capacity figures, the accounting's sanity, its JSON
+"""The capacity accounting (ulacache.tools.capacity, bench/capacity.py its command line): the paper's two capacity figures, the accounting's sanity, its JSON
 contract, that its ulacache columns charge what the SGLang sizing hook charges
 (``ulacache.sizing.table_bytes_per_slot`` and ``coordinator_output_bytes``), and (marked
 ``sglang``) that its per-token bytes equal SGLang 0.5.23's own sizing, the hook's included."""
@@ -16,11 +16,13 @@ from pathlib import Path
 
 import pytest
 
+from ulacache.tools import capacity as cap
+
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("bench_capacity", ROOT / "bench" / "capacity.py")
-cap = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = cap  # dataclasses resolve annotations through the module
-_spec.loader.exec_module(cap)
+cli = importlib.util.module_from_spec(_spec)  # the command line (table, PNG, JSON)
+sys.modules[_spec.name] = cli
+_spec.loader.exec_module(cli)
 
 GEOMS = list(product(("glm5", "dsv32"), ("fp8", "bf16")))
 S = cap.LENGTHS
@@ -273,7 +275,7 @@ def test_json_contract():
 def test_table_and_png(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     png = tmp_path / "c.png"
-    assert cap.main(["--platforms", "h200", "--models", "dsv32", "--png", str(png)]) == 0
+    assert cli.main(["--platforms", "h200", "--models", "dsv32", "--png", str(png)]) == 0
     out = capsys.readouterr().out
     assert "ACCOUNTING" in out and "TP8 resident unique share: computed 12.5% vs paper 12.5%" in out
     assert "56.29% from 0.1M-rounded counts" in out
