@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="PNG path ('' for none)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    logging.getLogger("ulacache.tools.capacity").setLevel(logging.DEBUG)  # the budgets used
     res = run(platforms=args.platforms, models=args.models, layouts=args.layouts,
               lengths=args.lengths, static_gb=args.static_gb, host_gb=args.host_gb,
               weights_gb=args.weights_gb, device_buffer=args.device_buffer,

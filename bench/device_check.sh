@@ -13,7 +13,8 @@
 # 5. bench/decode_sweep.py --real-rows (concurrency 72 and 128, 24 steps: one layer of real
 #    FP8 rows per step through ulacache's fused access, HiSparse's data movement and a torch
 #    sparse-MLA stand-in, timed; measured peak ratios),
-# 6. a short summary table, printed last, with the issue's targets marked.
+# 6. a short summary table (bench/device_summary.py), printed last, with the targets marked; a
+#    bench that could not run is "not measured" with its own one-line reason, never rc=0.
 # Full logs go to LOGDIR: pytest_gpu.log, bandwidth.json, bandwidth.log, access.json,
 # access.log, hisparse_h2h.json, decode_sweep/ (csv, md, json), summary.txt.
 # Exit code: 0 when tests pass and the bench ran (targets are reported, not enforced),
@@ -30,8 +31,15 @@
 # and name .whl in the run's carry; this script installs what it finds there.
 set -uo pipefail
 
-LOGDIR=${1:?usage: bash bench/device_check.sh LOGDIR}
-mkdir -p "$LOGDIR"
+usage() { echo "usage: bash bench/device_check.sh LOGDIR   (every GPU test and bench; logs and summary.txt in LOGDIR)"; }
+case "${1:-}" in
+    -h|--help) usage; exit 0 ;;
+    "") usage >&2; exit 2 ;;
+    -*) echo "device_check: unknown option $1" >&2; usage >&2; exit 2 ;;
+esac
+if [ $# -gt 1 ]; then echo "device_check: one LOGDIR, got $#" >&2; usage >&2; exit 2; fi
+LOGDIR=$1
+mkdir -p "$LOGDIR" || exit 2
 LOGDIR=$(cd "$LOGDIR" && pwd)
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO" || exit 2
@@ -99,7 +107,8 @@ tail -n 12 "$LOGDIR/access.log"
 
 # HiSparse's own swap-in kernel vs ulacache's access on identical selections (issue 11): runs
 # when the sglang and apache-tvm-ffi wheels are carried in .whl-hisparse/ (see the script's
-# header); otherwise it says what to carry and exits 0. Its runtime is not measured yet.
+# header); otherwise it says why in one line and exits 2 ("not measured" in the summary). Its
+# runtime is not measured yet.
 echo "== bench/hisparse_head_to_head.py --quick --json"
 timeout "${H2H_TIMEOUT:-90}" "$PY" bench/hisparse_head_to_head.py --quick --json \
     > "$LOGDIR/hisparse_h2h.json" 2> "$LOGDIR/hisparse_h2h.log"
@@ -116,80 +125,8 @@ timeout "${SWEEP_TIMEOUT:-60}" "$PY" bench/decode_sweep.py --real-rows --levels 
 SWEEP_RC=$?
 tail -n 8 "$LOGDIR/decode_sweep.log"
 
-"$PY" - "$LOGDIR" "$PYTEST_RC" "$BENCH_RC" "$T0" "$H2H_RC" "$ACCESS_RC" "$SWEEP_RC" <<'EOF' | tee "$LOGDIR/summary.txt"
-import json, sys, time
-logdir, prc, brc, t0 = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-hrc, arc, src = int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7])
-lines = [f"== summary ({time.time() - t0:.0f} s)",
-         f"pytest -m gpu: rc={prc} ({'pass' if prc == 0 else 'FAIL'})"]
-try:  # per test file: passed / failed / skipped (TP over CUDA IPC, peers, kernels, graphs)
-    import xml.etree.ElementTree as ET
-    from collections import Counter
-    tally = {}
-    for case in ET.parse(f"{logdir}/pytest_gpu.xml").iter("testcase"):
-        kind = "failed" if case.find("failure") is not None or case.find("error") is not None \
-            else "skipped" if case.find("skipped") is not None else "passed"
-        parts = (case.get("classname") or "(skipped at collection)").split(".")
-        name = next((x for x in parts if x.startswith("test_")), parts[-1])
-        tally.setdefault(name, Counter())[kind] += 1
-    for name, c in sorted(tally.items()):
-        lines.append(f"  {name:<28} passed {c['passed']:>3}  failed {c['failed']:>3}  "
-                     f"skipped {c['skipped']:>3}")
-except Exception as e:  # no XML: pytest did not get far
-    lines.append(f"  (no per-file results: {e})")
-lines.append(f"bandwidth bench: rc={brc}")
-try:
-    with open(f"{logdir}/bandwidth.json") as f:
-        res = json.loads(f.read().strip().splitlines()[-1])
-except Exception as e:  # no JSON: the bench failed
-    res = None
-    lines.append(f"no bandwidth JSON ({e}); see {logdir}/bandwidth.log")
-if res:
-    lines.append(f"h2d_copy {res['h2d_copy_gbps']:.1f} GB/s   d2d_copy {res['d2d_copy_gbps']:.1f} GB/s")
-    lines.append(f"{'kernel':<14}{'row B':>6}{'rows':>8}{'GB/s':>9}{'ratio':>7}  target")
-    for r in res["rows"]:
-        tgt = ""
-        if r["kernel"] == "host_gather" and r["row_bytes"] == 656 and r["rows"] >= 16384:
-            tgt = ">=0.85 " + ("ok" if r["ratio"] >= 0.85 else "MISS")
-        elif r["kernel"] == "device_gather" and r["rows"] >= 16384:
-            tgt = ">=0.60 " + ("ok" if r["ratio"] >= 0.60 else "MISS")
-        lines.append(f"{r['kernel']:<14}{r['row_bytes']:>6}{r['rows']:>8}{r['gbps']:>9.1f}"
-                     f"{r['ratio']:>7.3f}  {tgt}")
-lines.append(f"access bench (fused vs torch): rc={arc} ({'ok' if arc == 0 else 'FAIL'})")
-try:
-    with open(f"{logdir}/access.json") as f:
-        acc = json.load(f)
-    lines.append(f"{'batch':>6}{'pool':>9}{'hit':>7}{'launch':>7}{'same':>5}{'speed-up':>9}"
-                 f"{'access/data':>12}  target <= 1.10")
-    for c in acc.get("cells", []):
-        ad = c.get("access_over_move")
-        lines.append(f"{c.get('batch', '?'):>6}{c.get('pool', '?'):>9}"
-                     f"{c.get('hit_measured', float('nan')):>7.3f}"
-                     f"{c.get('launches_per_step', float('nan')):>7.2f}"
-                     f"{'yes' if c.get('identical') else 'NO':>5}"
-                     f"{c.get('graph_speedup') or c.get('speedup') or float('nan'):>9.2f}"
-                     f"{ad if ad is None else round(ad, 3)!s:>12}"
-                     + ("" if ad is None else ("  ok" if ad <= 1.10 else "  MISS")))
-except Exception as e:  # no JSON: the bench failed or timed out
-    lines.append(f"  (no access JSON: {e}; see {logdir}/access.log)")
-lines.append(f"hisparse head-to-head: rc={hrc} (JSON in {logdir}/hisparse_h2h.json; "
-             "HiSparse / ulacache ratios there)")
-lines.append(f"decode sweep, real rows: rc={src}")
-try:
-    with open(f"{logdir}/decode_sweep.json") as f:
-        sw = json.load(f)
-    lines.append(f"{'conc':>5} {'policy':<9}{'admitted':>9}{'hit':>7}{'layer ms':>9}"
-                 f"{'tok/s meas':>11}{'tok/s model':>12}")
-    for r in sw["rows"]:
-        lines.append(f"{r['concurrency']:>5} {r['policy']:<9}{r['admitted_mean']:>9.1f}"
-                     f"{r['gpu_hit_rate']:>7.3f}{r['measured_layer_ms']:>9.3f}"
-                     f"{r['tokens_per_s_measured']:>11.0f}{r['tokens_per_s']:>12.0f}")
-    lines.append("  " + ", ".join(f"{k} x{v:.2f}" for k, v in sw["peak_ratios"].items()
-                                  if k.startswith("measured")))
-except Exception as e:  # no JSON: the sweep failed or timed out
-    lines.append(f"  (no sweep JSON: {e}; see {logdir}/decode_sweep.log)")
-print("\n".join(lines))
-EOF
+"$PY" bench/device_summary.py "$LOGDIR" "$T0" pytest="$PYTEST_RC" bandwidth="$BENCH_RC" \
+    access="$ACCESS_RC" hisparse_h2h="$H2H_RC" decode_sweep="$SWEEP_RC" | tee "$LOGDIR/summary.txt"
 
 if [ "$PYTEST_RC" -ne 0 ] || [ "$ACCESS_RC" -eq 1 ]; then exit 1; fi
 if [ "$BENCH_RC" -ne 0 ]; then exit 2; fi

@@ -31,7 +31,15 @@ and ulacache's torch reference path (small sizes; what the tests run).
 Carry (no registry on the lent machine): the sglang 0.5.23 and apache-tvm-ffi 0.1.11 wheels in
 ``.whl-hisparse/`` (NOT ``.whl/``: device_check.sh pip-installs everything there, and the
 manylinux_2_34 sglang wheel may be refused). The script unpacks only the headers, the kernel
-and tvm-ffi from them. Without CUDA, or without those wheels, it says so and exits 0.
+and tvm-ffi from them. On a machine with a registry::
+
+    echo /.whl-hisparse/ >> .git/info/exclude
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 \
+        --platform manylinux_2_17_x86_64 -d .whl-hisparse sglang==0.5.23 apache-tvm-ffi==0.1.11
+
+and name ``.whl-hisparse`` (about 42 MB) in the run's carry. Without CUDA, or without those
+wheels, nothing is measured: one line ``... not measured: ...`` on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -86,21 +94,18 @@ ROW_FIELDS = ("system", "batch", "context", "steps", "gpu_rows", "row_bytes", "a
               "x_floor", "valid", "mismatched_rows", "model_agrees")
 
 
-def no_sources_message(wheel_dir: Path) -> str:
-    return (f"bench/hisparse_head_to_head.py: the SGLang kernel sources are not carried "
-            f"(looked in {wheel_dir} for {SGLANG_WHEEL} and {TVM_FFI_WHEEL}). On a machine "
-            "with a registry:\n"
-            f"  echo /.whl-hisparse/ >> .git/info/exclude\n"
-            f"  python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 "
-            f"--implementation cp --platform manylinux_2_34_x86_64 --platform "
-            f"manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl-hisparse "
-            f"sglang==0.5.23 apache-tvm-ffi==0.1.11\n"
-            "and name .whl-hisparse (about 42 MB) in the run's carry. Nothing was measured.")
+EXIT_UNMEASURED = 2  # as bench/bandwidth.py: device_check reports it as "not measured"
 
 
-NO_CUDA_MESSAGE = ("bench/hisparse_head_to_head.py: no CUDA device; the HiSparse kernel needs "
-                   "one (run it on the lent H200, or --cpu for the CPU stand-in). Nothing was "
-                   "measured.")
+def no_sources_message(wheel_dir: Path, missing: list[str] | None = None) -> str:
+    what = f" (missing: {', '.join(missing)})" if missing else ""
+    return (f"bench/hisparse_head_to_head.py: not measured: SGLang's kernel sources are not "
+            f"carried: looked in {wheel_dir} for {SGLANG_WHEEL} and {TVM_FFI_WHEEL}{what}; the "
+            "script's header gives the download command")
+
+
+NO_CUDA_MESSAGE = ("bench/hisparse_head_to_head.py: not measured: no CUDA device (HiSparse's "
+                   "kernel needs one; run it on the lent H200, or --cpu for the CPU stand-in)")
 
 
 # -- (1) sources and the build command ------------------------------------------------------
@@ -720,16 +725,15 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cpu")
     else:
         if not torch.cuda.is_available():
-            print(NO_CUDA_MESSAGE)
-            return 0
+            print(NO_CUDA_MESSAGE, file=sys.stderr)
+            return EXIT_UNMEASURED
         device = torch.device("cuda")
         with tempfile.TemporaryDirectory(prefix="hisparse_h2h_") as tmp:
             srcs = sources_in(args.site) if args.site else unpack(args.wheel_dir, Path(tmp))
             if srcs is None or srcs.missing():
-                print(no_sources_message(args.wheel_dir))
-                if srcs is not None:
-                    print("missing: " + ", ".join(srcs.missing()))
-                return 0
+                print(no_sources_message(args.wheel_dir, srcs.missing() if srcs else None),
+                      file=sys.stderr)
+                return EXIT_UNMEASURED
             kernel = build_kernel(srcs, Path(tmp), args.k, args.h_slots)
             result = run(args, device, kernel)
     if kernel is None:

@@ -107,7 +107,10 @@ def test_unreadable_traces_are_refused_with_the_file_name(tmp_path, capsys, comm
     [
         (["replay", TYPING_TRACE, "--steps", "961"], ["--steps 961", "960 steps"]),
         (["replay", TYPING_TRACE, "--layers", "31"], ["--layers 31", "30 layers"]),
-        (["replay", TYPING_TRACE, "--requests", "4", "--gpu-slots", "10"], ["gpu_slots"]),
+        (["replay", TYPING_TRACE, "--requests", "4", "--gpu-slots", "10"],
+         ["--gpu-slots is for --mode tp", "--hisparse-slots"]),
+        (["replay", TYPING_TRACE, "--requests", "900", "--steps", "100"],
+         ["900 requests", "at most 860"]),
         (["trace", "stats", TYPING_TRACE, "--hit-layers", "31"], ["--hit-layers 31"]),
     ],
 )
@@ -171,20 +174,59 @@ def test_stats_prints_misses_and_pblru_vs_lru(capsys):
 
 
 def test_replay_json_on_the_bundled_trace(capsys):
+    """The default replay: ulacache and HiSparse at equal GPU rows, each compared row with its
+    winner, launches per step, and the capacity section's GLM-5 rows."""
     rc, out, _ = _run(["replay", "--steps", "8", "--layers", "1", "--requests", "2", "--json"],
                       capsys)
     assert rc == 0
     doc = json.loads(out)
     assert doc["trace"] == str(cli.bundled_trace())
-    assert [r["policy"] for r in doc["results"]] == ["pblru", "lru"]
-    assert all(r["steps"] == 8 and r["requests"] == 2 and r["groups"] == 1
-               for r in doc["results"])
+    assert [r["policy"] for r in doc["results"]] == ["pblru"]
+    (ula,), hs = doc["results"], doc["hisparse"]
+    assert ula["steps"] == 8 and ula["requests"] == 2 and ula["groups"] == 1
+    assert ula["gpu_slots"] == hs["gpu_slots"] == doc["equal_gpu_rows_per_layer"] == 2 * 192
+    rows = {r["metric"]: r for r in doc["rows"]}
+    assert set(rows) == {"GPU hit rate", "misses (rows CPU -> GPU)", "H2D KB", "D2H KB",
+                         "PCIe KB, both directions", "kernel launches"}
+    hit = rows["GPU hit rate"]
+    assert hit["ulacache"] == ula["hit_rate"] and hit["hisparse"] == hs["hit_rate"]
+    assert hit["winner"] == ("ulacache" if ula["hit_rate"] > hs["hit_rate"] else "HiSparse")
+    misses = rows["misses (rows CPU -> GPU)"]
+    assert misses["ulacache"] == ula["misses"] / 8 and misses["hisparse"] == hs["misses"] / 8
+    lu = doc["launches"]["ulacache"]
+    c = lu["counts"][lu["path"]]
+    assert lu["per_step"] == c["round"] + 1 * (c["place"] + c["access"])
+    assert doc["launches"]["hisparse"]["per_step"] == 1 + 1
+    assert rows["kernel launches"]["ulacache"] == lu["per_step"]
+    cap = doc["capacity"]
+    assert cap["model"] == "GLM-5" and {r["platform"] for r in cap["rows"]} == {"h200", "b300"}
+    assert all(set(r["max_requests"]) == {"32768", "131072"} for r in cap["rows"])
 
 
-def test_replay_table_on_a_fixture(capsys):
+def test_replay_report_names_a_winner_per_row(capsys):
     rc, out, _ = _run(["replay", TYPING_TRACE, "--steps", "8", "--layers", "2",
-                       "--requests", "1"], capsys)
-    assert rc == 0 and out.startswith("trace typing.py") and "exact LRU" in out
+                       "--requests", "2"], capsys)
+    assert rc == 0 and out.startswith("ulacache vs SGLang HiSparse at the same GPU memory")
+    lines = out.splitlines()
+    i = next(i for i, line in enumerate(lines) if line.startswith("per decode step"))
+    for line in lines[i + 1: i + 7]:
+        assert line.split("   ")[-1].split(":")[0] in ("ulacache", "HiSparse", "tie"), line
+    assert "2 requests x (H 128 + 64 reserved) = 384; ulacache's shared pool: the same 384" in out
+    assert "What the memory buys on a real deployment: GLM-5" in out
+    assert "8xH200: most unique history" in out and "8xB300: most unique history" in out
+    assert "In short: at the same GPU memory ulacache has" in out
+    assert "sched ms/step" not in out  # PB-LRU vs exact LRU only with --compare-lru
+
+
+def test_replay_compare_lru_times_both_policies_in_one_run(capsys):
+    rc, out, _ = _run(["replay", TYPING_TRACE, "--steps", "8", "--layers", "2",
+                       "--requests", "2", "--compare-lru", "--no-capacity"], capsys)
+    assert rc == 0 and "What the memory buys" not in out
+    assert "PB-LRU vs exact LRU:" in out and "policy time x" in out
+    rc, out, _ = _run(["replay", TYPING_TRACE, "--steps", "8", "--layers", "1",
+                       "--requests", "2", "--compare-lru", "--no-capacity", "--json"], capsys)
+    doc = json.loads(out)
+    assert [r["policy"] for r in doc["results"]] == ["pblru", "lru"] and doc["capacity"] is None
 
 
 def test_replay_tp_json_on_the_bundled_trace(capsys):
@@ -206,8 +248,22 @@ def test_replay_tp_json_on_the_bundled_trace(capsys):
 
 @pytest.mark.parametrize(("argv", "needle"), [
     (["--tp-size", "2"], "--mode tp"),
-    (["--mode", "tp", "--tp-size", "3"], "tp_size"),
-    (["--mode", "tp", "--tp-size", "1"], "buffer_slots"),
+    (["--buffer-slots", "64"], "--mode tp"),
+    (["--mode", "tp", "--tp-size", "3"], "--tp-size 2, 4 or 8"),
+    (["--mode", "tp", "--tp-size", "1"], "--tp-size 2, 4 or 8"),
+    (["--mode", "tp", "--tp-size", "2", "--policy", "lru"], "--policy is for --mode dp"),
+    (["--mode", "tp", "--tp-size", "2", "--compare-lru"], "--compare-lru is for --mode dp"),
+    (["--mode", "tp", "--tp-size", "2", "--hisparse-slots", "128"], "--hisparse-slots"),
 ])
 def test_replay_tp_options_are_refused(capsys, argv, needle):
     _assert_refused(_run(["replay", "--steps", "4", *argv], capsys), needle)
+
+
+def test_a_missing_trace_is_refused_before_torch_is_imported(tmp_path):
+    """A new process: the refusal comes before ``import torch`` (seconds on a cold machine)."""
+    code = ("import sys\nfrom ulacache.tools import cli\n"
+            f"rc = cli.main(['replay', {str(tmp_path / 'none.npz')!r}])\n"
+            "print('torch' in sys.modules, rc)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.stdout.split() == ["False", "2"], p
+    assert p.stderr.strip() == f"ulacache: error: trace {tmp_path / 'none.npz'} does not exist"

@@ -216,20 +216,22 @@ def test_json_contract_and_table(capsys):
     assert "hisparse" in table and "ulacache" in table and "skipped batch 1 ctx 100" in table
 
 
-def test_no_cuda_exits_zero_with_message():
+def test_no_cuda_is_not_measured_exit_2_one_line():
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    out = subprocess.run([sys.executable, str(SCRIPT), "--quick"], capture_output=True,
-                         text=True, env=env, timeout=60)
-    assert out.returncode == 0
-    assert "no CUDA device" in out.stdout and "Nothing was measured" in out.stdout
+    out = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--json"],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.count("\n") == 1 and "not measured: no CUDA device" in out.stderr
 
 
-def test_missing_sources_exits_zero_with_recipe(tmp_path, monkeypatch, capsys):
+def test_missing_sources_is_not_measured_exit_2_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert h2h.main(["--wheel-dir", str(tmp_path / "none")]) == 0
-    out = capsys.readouterr().out
-    assert "not carried" in out and "sglang==0.5.23" in out and "apache-tvm-ffi==0.1.11" in out
-    assert ".whl-hisparse" in out and "carry" in out
+    assert h2h.main(["--wheel-dir", str(tmp_path / "none")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert "not measured: SGLang's kernel sources are not carried" in err
+    assert h2h.SGLANG_WHEEL in err and "header" in err
+    assert "sglang==0.5.23 apache-tvm-ffi==0.1.11" in h2h.__doc__
 
 
 # -- the kernel itself -----------------------------------------------------------------------------

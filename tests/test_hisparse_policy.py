@@ -1,5 +1,5 @@
 """The HiSparse model (``ulacache.tools.hisparse``) against SGLang 0.5.23's HiSparse, and
-``ulacache replay --policy hisparse``.
+``ulacache replay`` (its comparison at equal GPU memory).
 
 Oracles (``sglang``-marked part, CPU only):
 
@@ -199,25 +199,24 @@ def _run(argv, capsys):
     return rc, out, err.splitlines()
 
 
-def test_cli_policy_hisparse(capsys):
-    base = ["replay", TYPING_TRACE, "--steps", "6", "--layers", "2", "--requests", "2"]
-    rc, out, _ = _run([*base, "--policy", "hisparse", "--json"], capsys)
+def test_cli_compares_with_hisparse_at_equal_gpu_rows(capsys):
+    base = ["replay", TYPING_TRACE, "--steps", "6", "--layers", "2", "--requests", "2",
+            "--no-capacity"]
+    rc, out, _ = _run([*base, "--json"], capsys)
     assert rc == 0
     doc = json.loads(out)
-    assert [r["policy"] for r in doc["results"]] == ["pblru", "lru"]
+    assert [r["policy"] for r in doc["results"]] == ["pblru"]
     hs = doc["hisparse"]
     assert hs["policy"] == "hisparse" and hs["h_slots"] == 128 and hs["gpu_slots"] == 384
     assert all(r["gpu_slots"] == hs["gpu_slots"] for r in doc["results"])  # equal GPU rows
-    assert set(doc["pcie_bytes_per_step_ratio_hisparse_over"]) == {"pblru", "lru"}
-    rc, out, _ = _run([*base, "--policy", "all", "--hisparse-slots", "96"], capsys)
-    assert rc == 0 and "HiSparse per-request buffers" in out and "ulacache shared pool" in out
-    assert "2 requests x (H 96 + reserved 64) = 320 rows" in out and "HiSparse / " in out
-    rc, out, _ = _run([*base, "--policy", "lru", "--json"], capsys)
-    assert rc == 0 and [r["policy"] for r in json.loads(out)["results"]] == ["lru"]
-    for argv, needle in (([*base, "--policy", "hisparse", "--gpu-slots", "512"], "--gpu-slots"),
-                         ([*base, "--hisparse-slots", "128"], "--hisparse-slots"),
-                         ([*base, "--policy", "hisparse", "--hisparse-slots", "8"], "k = 64"),
-                         ([*base, "--mode", "tp", "--tp-size", "2", "--policy", "all"],
+    assert set(doc["pcie_bytes_per_step_ratio_hisparse_over"]) == {"pblru"}
+    rc, out, _ = _run([*base, "--hisparse-slots", "96"], capsys)
+    assert rc == 0 and "HiSparse 2 requests x (H 96 + 64 reserved) = 320" in out
+    rc, out, _ = _run([*base, "--policy", "lru", "--compare-lru", "--json"], capsys)
+    assert rc == 0 and [r["policy"] for r in json.loads(out)["results"]] == ["lru", "pblru"]
+    for argv, needle in (([*base, "--gpu-slots", "512"], "--gpu-slots"),
+                         ([*base, "--hisparse-slots", "8"], "k = 64"),
+                         ([*base, "--mode", "tp", "--tp-size", "2", "--compare-lru"],
                           "--mode dp")):
         rc, out, err = _run(argv, capsys)
         assert rc == 2 and out == "" and len(err) == 1 and needle in err[0], (argv, err)

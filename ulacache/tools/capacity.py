@@ -510,7 +510,7 @@ def run(*, platforms: str = "h200,b300", models: str = "glm5,dsv32",
                 inp = Inputs(model, layout, plat, int(kv_gb * GB), int(host[plat] * GB),
                              device_buffer=device_buffer, draft_tokens=draft_tokens,
                              running=running, min_gpu_tokens=max(lengths))
-                logger.info("%s %s %s: KV budget %.2f GB/GPU, host %.0f GB/GPU", plat, model,
+                logger.debug("%s %s %s: KV budget %.2f GB/GPU, host %.0f GB/GPU", plat, model,
                             layout, kv_gb, host[plat])
                 for system in systems:
                     cap = capacity(inp, system)

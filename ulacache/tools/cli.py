@@ -1,8 +1,9 @@
 """``ulacache`` command line: replay traces through the core, record and inspect traces.
 
-    ulacache replay [TRACE]                 # default: the bundled real trace
-    ulacache replay --mode tp --tp-size 4   # the same through 4 ranks striping one space
-    ulacache replay --policy hisparse       # vs SGLang HiSparse's per-request buffers
+    ulacache replay [TRACE]                 # vs SGLang HiSparse at equal GPU memory, and
+                                            # the capacity that memory buys (bundled trace)
+    ulacache replay --compare-lru           # also ulacache's PB-LRU vs exact LRU
+    ulacache replay --mode tp --tp-size 4   # the same trace through 4 ranks striping one space
     ulacache trace record TEXT -o OUT       # real top-k selections of SmolLM2 over a text
     ulacache trace stats TRACE              # locality figures and LRU / PB-LRU hit rates
 
@@ -76,79 +77,104 @@ def _spread(n: int, total: int, option: str, path: object) -> list[int] | None:
     return list(range(0, total, step))[:n]
 
 
+def _trace_path(text: str | None) -> Path:
+    """The trace to read (the bundled one by default), refused at once when it is not a
+    readable file: before torch is imported (seconds on a cold machine)."""
+    path = Path(text) if text else bundled_trace()
+    if not path.exists():
+        raise CliError(f"trace {path} does not exist")
+    if not path.is_file():
+        raise CliError(f"trace {path} is not a file")
+    return path
+
+
+TP_SIZES = (2, 4, 8)
+
+
+def _check_replay_options(args: argparse.Namespace) -> None:
+    """Refuse option combinations before anything is built (one line, exit 2)."""
+    if args.mode == "tp":
+        if args.tp_size not in TP_SIZES:
+            raise CliError(f"--mode tp needs --tp-size 2, 4 or 8 (the ranks of one TP group; "
+                           f"they must divide the 64-token page), got {args.tp_size}")
+        for option, value in (("--policy", args.policy), ("--hisparse-slots",
+                              args.hisparse_slots), ("--compare-lru", args.compare_lru or None)):
+            if value is not None:
+                raise CliError(f"{option} is for --mode dp (the HiSparse comparison); TP mode "
+                               "replays PB-LRU through P ranks")
+        return
+    if args.tp_size != 1 or args.buffer_slots is not None:
+        raise CliError("--tp-size and --buffer-slots are for --mode tp")
+    if args.gpu_slots is not None:
+        raise CliError("--gpu-slots is for --mode tp: in DP mode ulacache's shared pool gets "
+                       "HiSparse's rows at equal GPU memory, requests x (H + 64); size it with "
+                       "--hisparse-slots H")
+
+
 def _replay(args: argparse.Namespace) -> int:
-    from .replay import format_results, replay
+    path = _trace_path(args.trace)
+    _check_replay_options(args)
+    import torch
+
+    torch.set_num_threads(args.threads)  # timings stable from run to run (bench scripts alike)
     from .traces import load_trace
 
-    path = Path(args.trace) if args.trace else bundled_trace()
+    t_start = time.perf_counter()
     trace = load_trace(path)
     layers = _spread(args.layers, trace.layers, "--layers", path)
     if args.steps > trace.steps:
         raise CliError(f"--steps {args.steps} exceeds the {trace.steps} steps of trace {path}")
-    from ulacache.pblru import POLICIES
-
     if args.mode == "tp":
-        if args.policy is not None or args.hisparse_slots is not None:
-            raise CliError("--policy and --hisparse-slots are for --mode dp")
         from .replay_tp import format_tp_results, replay_tp
 
-        t0 = time.perf_counter()
         res = replay_tp(trace, tp_size=args.tp_size, requests=args.requests, steps=args.steps,
                         layers=layers, gpu_slots=args.gpu_slots, cpu_slots=args.cpu_slots,
                         buffer_slots=args.buffer_slots, layout=args.layout,
                         n_buckets=args.buckets)
-        logger.info("TP replay: %.1f s", time.perf_counter() - t0)
+        logger.info("TP replay: %.1f s", time.perf_counter() - t_start)
         print(json.dumps({"trace": str(path), "mode": "tp", **res.to_dict()}) if args.json
               else format_tp_results(trace, res))
         return 0
-    if args.tp_size != 1 or args.buffer_slots is not None:
-        raise CliError("--tp-size and --buffer-slots are for --mode tp")
-    # --policy: one ulacache policy, or (hisparse / all) every policy next to HiSparse
-    with_hisparse = args.policy in ("hisparse", "all")
-    policies = list(POLICIES) if args.policy in (None, "hisparse", "all") else [args.policy]
-    if args.hisparse_slots is not None and not with_hisparse:
-        raise CliError("--hisparse-slots is for --policy hisparse or all")
-    gpu_slots = args.gpu_slots
-    if with_hisparse:
-        from .hisparse import hisparse_gpu_rows
+    from . import compare
+    from .hisparse import hisparse_gpu_rows, replay_hisparse
+    from .launches import count_launches, fused_countable
+    from .replay import replay
 
-        if args.gpu_slots is not None:
-            raise CliError("--gpu-slots is set by --policy hisparse/all: ulacache's pool gets "
-                           "HiSparse's rows, requests x (H + 64); size it with --hisparse-slots")
-        h = args.hisparse_slots if args.hisparse_slots is not None else 2 * trace.k
-        if h < trace.k:
-            raise CliError(f"--hisparse-slots {h} < k = {trace.k} of trace {path}: one step's "
-                           "top-k must fit in the buffer")
-        gpu_slots = hisparse_gpu_rows(args.requests, h)
-    results = []
-    for policy in policies:  # every requested policy, on the same selections
+    h = args.hisparse_slots if args.hisparse_slots is not None else 2 * trace.k
+    if h < trace.k:
+        raise CliError(f"--hisparse-slots {h} < k = {trace.k} of trace {path}: one step's "
+                       "top-k must fit in the buffer")
+    gpu_slots = hisparse_gpu_rows(args.requests, h)  # equal GPU memory
+    policy = args.policy or "pblru"
+    kw = dict(requests=args.requests, steps=args.steps, layers=layers, gpu_slots=gpu_slots,
+              cpu_slots=args.cpu_slots, layout=args.layout, n_buckets=args.buckets,
+              progress=not args.json)
+    t0 = time.perf_counter()
+    ula = replay(trace, policy=policy, **kw)
+    logger.info("ulacache (%s) replay: %.1f s", policy, time.perf_counter() - t0)
+    lru = None
+    if args.compare_lru:
+        other = "lru" if policy == "pblru" else "pblru"
         t0 = time.perf_counter()
-        results.append(replay(trace, requests=args.requests, steps=args.steps, layers=layers,
-                              gpu_slots=gpu_slots, cpu_slots=args.cpu_slots,
-                              layout=args.layout, policy=policy, n_buckets=args.buckets,
-                              progress=not args.json))
-        logger.info("%s replay: %.1f s", policy, time.perf_counter() - t0)
-    if with_hisparse:
-        from .hisparse import format_comparison, replay_hisparse
-
-        t0 = time.perf_counter()
-        hs = replay_hisparse(trace, requests=args.requests, steps=args.steps, layers=layers,
-                             h_slots=h, layout=args.layout)
-        logger.info("hisparse replay: %.1f s", time.perf_counter() - t0)
-        if args.json:
-            pcie = {r.policy: r.h2d_bytes_per_step + r.d2h_bytes_per_step for r in results}
-            print(json.dumps({
-                "trace": str(path), "results": [r.to_dict() for r in results],
-                "hisparse": hs.to_dict(),
-                "pcie_bytes_per_step_ratio_hisparse_over": {
-                    p: hs.pcie_bytes_per_step / v if v else None for p, v in pcie.items()}}))
-        else:
-            print(format_comparison(trace, results, hs))
-        return 0
+        lru = replay(trace, policy=other, **kw)
+        logger.info("ulacache (%s) replay: %.1f s", other, time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    hs = replay_hisparse(trace, requests=args.requests, steps=args.steps, layers=layers,
+                         h_slots=h, layout=args.layout)
+    logger.info("hisparse replay: %.1f s", time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    groups = ula.groups  # one selection group per replayed layer
+    counts = {p: count_launches(p, groups)
+              for p in (("fused", "torch") if fused_countable() else ("torch",))}
+    launches = compare.launch_summary(counts, groups)
+    logger.info("launch counts: %.1f s", time.perf_counter() - t0)
+    capacity = None if args.no_capacity else compare.capacity_summary()
     if args.json:
-        print(json.dumps({"trace": str(path), "results": [r.to_dict() for r in results]}))
+        print(json.dumps({"trace": str(path),
+                          **compare.report_dict(ula, hs, launches, capacity, lru)}))
     else:
-        print(format_results(trace, results))
+        print(compare.format_report(trace, ula, hs, launches, capacity, lru,
+                                    seconds=time.perf_counter() - t_start))
     return 0
 
 
@@ -174,15 +200,16 @@ def _record(args: argparse.Namespace) -> int:
 
 
 def _stats(args: argparse.Namespace) -> int:
+    path = _trace_path(args.trace)
     from .traces import format_stats, load_trace, trace_stats
 
-    trace = load_trace(args.trace)
+    trace = load_trace(path)
     kw = {}
     if args.pool_sizes:
         kw["pool_sizes"] = args.pool_sizes
     # evenly spaced layers: the simulation dominates the run time
     kw["hit_layers"] = _spread(args.hit_layers, trace.layers, "--hit-layers", args.trace)
-    stats = trace_stats(trace, **kw)
+    stats = trace_stats(trace, progress=not args.json, **kw)
     print(json.dumps(stats) if args.json else format_stats(stats))
     return 0
 
@@ -202,7 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="debug logging, and tracebacks with errors")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
-    rp = sub.add_parser("replay", help="replay a selection trace through the core")
+    rp = sub.add_parser("replay", help="replay a selection trace through the core: ulacache vs "
+                        "HiSparse at equal GPU memory, and the capacity it buys")
     rp.add_argument("trace", nargs="?", help=f"trace .npz (default: bundled {BUNDLED_TRACE})")
     rp.add_argument("--requests", type=_int_at_least(1), default=4,
                     help="interleaved requests")
@@ -211,7 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--layers", type=_int_at_least(0, " (0 = all)"), default=8,
                     help="evenly spaced trace layers to replay (0 = all)")
     rp.add_argument("--gpu-slots", type=_int_at_least(1), default=None,
-                    help="GPU slots per group (default 256 x requests)")
+                    help="TP mode: GPU slots per rank and group (default 256 x requests); DP "
+                    "mode gives the shared pool HiSparse's rows (see --hisparse-slots)")
     rp.add_argument("--cpu-slots", type=_int_at_least(0), default=None,
                     help="CPU slots per group (default: the rest of the live history)")
     rp.add_argument("--layout", default="fp8", choices=["fp8", "bf16"])
@@ -223,13 +252,20 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--buffer-slots", type=_int_at_least(1), default=None,
                     help="TP mode: local buffer rows per rank and group (default requests x "
                     "(k + 1))")
-    rp.add_argument("--policy", default=None, choices=["pblru", "lru", "hisparse", "all"],
-                    help="dp mode: one ulacache policy; hisparse or all: every ulacache policy "
-                    "and SGLang's HiSparse (per-request buffers) at equal GPU rows (default: "
-                    "every ulacache policy)")
+    rp.add_argument("--policy", default=None, choices=["pblru", "lru"],
+                    help="dp mode: ulacache's replacement policy in the comparison (default "
+                    "pblru)")
+    rp.add_argument("--compare-lru", action="store_true",
+                    help="dp mode: also replay ulacache's other policy (PB-LRU vs exact LRU, "
+                    "scheduling time per step measured in the same run)")
     rp.add_argument("--hisparse-slots", type=_int_at_least(1), default=None,
                     help="HiSparse device_buffer_size H per request and layer (default 2 x k, "
-                    "SGLang's rule: 4096 for top-k 2048)")
+                    "SGLang's rule: 4096 for top-k 2048); both systems get requests x (H + 64) "
+                    "GPU rows per layer")
+    rp.add_argument("--no-capacity", action="store_true",
+                    help="skip the capacity section (GLM-5 on 8xH200 / 8xB300)")
+    rp.add_argument("--threads", type=_int_at_least(1), default=1,
+                    help="torch CPU threads (default 1: stable timings on a shared machine)")
     rp.add_argument("--json", action="store_true")
     rp.set_defaults(func=_replay)
 
@@ -256,11 +292,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _refusals() -> tuple[type[BaseException], ...]:
     """Exception classes that mean bad input: reported in one line, not as a crash."""
-    from ulacache.errors import UlaCacheError
+    from ulacache.errors import UlaCacheError  # torch-free (a refusal may come before torch)
 
-    from .traces import TraceFormatError
-
-    return (CliError, UlaCacheError, TraceFormatError, ValueError, OSError)
+    # ValueError covers traces.TraceFormatError (importing traces would import torch)
+    return (CliError, UlaCacheError, ValueError, OSError)
 
 
 def main(argv: list[str] | None = None) -> int:

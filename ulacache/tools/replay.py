@@ -24,6 +24,7 @@ import torch
 from ulacache.cache import UlaCache
 from ulacache.config import UlaCacheConfig
 
+from .progress import bar as _progress
 from .residency import PolicyClock
 from .traces import Trace
 
@@ -65,6 +66,10 @@ def plan_requests(trace: Trace, requests: int, steps: int) -> list[int]:
     if requests < 1:
         raise ValueError(f"requests must be >= 1, got {requests}")
     span = trace.steps - steps
+    if requests > max(1, span):  # two requests would replay the same steps
+        raise ValueError(f"{requests} requests cannot start at distinct steps of a "
+                         f"{trace.steps}-step trace replaying {steps} steps each (at most "
+                         f"{max(1, span)}: trace steps - steps)")
     return [span * (r + 1) // requests for r in range(requests)]
 
 
@@ -91,6 +96,8 @@ def replay(trace: Trace, *, requests: int = 4, steps: int = 256, layers: list[in
                          validate=False)
     cache = UlaCache(cfg)
     space = cache.space
+    bar = _progress(progress, total=sum(int(pos[s]) for s in starts),
+                    desc=f"prefill {requests} requests", unit="tok")
     for r, s in enumerate(starts):  # prefill in chunks that fit one round's GPU room
         prompt = int(pos[s])
         cache.admit(r, prompt + steps)
@@ -100,19 +107,15 @@ def replay(trace: Trace, *, requests: int = 4, steps: int = 256, layers: list[in
             n = min(prompt - done, gpu_slots // 2)
             cache.extend(r, n)
             done += n
+            bar.update(n)
+    bar.close()
     base = cache.stats()
     clocks = [PolicyClock(g.policy) for g in space.groups]
     sel = torch.from_numpy(trace.selections[layers]).to(torch.int64)  # [groups, steps, k]
-    it = range(steps)
-    if progress:
-        try:
-            from tqdm import tqdm
-
-            it = tqdm(it, desc=f"replay {LABELS.get(policy, policy)}", leave=False)
-        except ImportError:
-            pass
+    bar = _progress(progress, total=steps, desc=f"replay {LABELS.get(policy, policy)}",
+                    unit="step")
     sched, pol = [], []
-    for t in it:
+    for t in range(steps):
         p0 = sum(c.seconds for c in clocks)
         t0 = time.perf_counter()
         space.begin_round()
@@ -126,6 +129,8 @@ def replay(trace: Trace, *, requests: int = 4, steps: int = 256, layers: list[in
             space.access(g, addrs[g])
         sched.append(time.perf_counter() - t2 + t1 - t0)
         pol.append(sum(c.seconds for c in clocks) - p0)
+        bar.update(1)
+    bar.close()
     cache.check_integrity()
     space.health.flush()
     st = cache.stats()

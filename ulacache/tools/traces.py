@@ -362,7 +362,7 @@ def _percentiles(x: np.ndarray, qs: Sequence[int] = (10, 50, 90, 99)) -> dict[st
 
 def trace_stats(trace: Trace, pool_sizes: Sequence[int] = DEFAULT_POOL_SIZES,
                 policies: Sequence[str] = DEFAULT_POLICIES,
-                hit_layers: Sequence[int] | None = None) -> dict:
+                hit_layers: Sequence[int] | None = None, progress: bool = False) -> dict:
     """Locality figures of ``trace``.
 
     Returns a dict with ``overlap`` (mean |S_t ∩ S_{t-1}| / k over consecutive steps: ``mean`` and
@@ -373,7 +373,8 @@ def trace_stats(trace: Trace, pool_sizes: Sequence[int] = DEFAULT_POOL_SIZES,
     layer on that layer's selections; ``misses`` (``{policy: {n_slots: total}}``) sums them.
     Pass ``pool_sizes=()`` to skip the hit rates, or ``hit_layers`` to simulate only those layers
     (the simulation dominates the run time: about 2-4 s per layer, policy and pool size for 2K
-    steps on 2 CPU cores); ``per_layer`` then follows the order of ``hit_layers``. Raises
+    steps on 2 CPU cores; ``progress`` shows a bar over those runs on stderr when tqdm is
+    installed); ``per_layer`` then follows the order of ``hit_layers``. Raises
     ValueError, before any work, for a pool size < 1 or a layer index out of range.
     """
     sel, pos = trace.selections, trace.positions
@@ -415,19 +416,26 @@ def trace_stats(trace: Trace, pool_sizes: Sequence[int] = DEFAULT_POOL_SIZES,
 
         stats["hit_layers"] = layer_ids
         stats["misses"] = {}
+        from .progress import bar as _progress
+
         positions = [int(p) for p in pos]
+        bar = _progress(progress, total=len(policies) * len(pool_sizes) * len(layer_ids),
+                        desc="hit rates", unit="run")
         for policy in policies:
             by_size, misses = {}, {}
             for n_slots in pool_sizes:
-                runs = [simulate_trace(trace.layer_selections(layer), positions, policy,
-                                       int(n_slots), trace.meta.n_tokens)
-                        for layer in layer_ids]
+                runs = []
+                for layer in layer_ids:
+                    runs.append(simulate_trace(trace.layer_selections(layer), positions, policy,
+                                               int(n_slots), trace.meta.n_tokens))
+                    bar.update(1)
                 rates = [r.hit_rate for r in runs]
                 by_size[int(n_slots)] = {"mean": float(np.mean(rates)), "min": float(min(rates)),
                                          "max": float(max(rates)), "per_layer": rates}
                 misses[int(n_slots)] = sum(r.misses for r in runs)
             stats["hit_rate"][policy] = by_size
             stats["misses"][policy] = misses
+        bar.close()
     return stats
 
 
