@@ -36,8 +36,15 @@ if fa.triton is not None:
     import triton
     import triton.language as tl
 
-    from .fused_access import (C_INVALID, INVALID_ROW, NO_CLAIM, _claim_in_range, _touch,
-                               _victim_order, _victims)
+    from .fused_access import (
+        C_INVALID,
+        INVALID_ROW,
+        NO_CLAIM,
+        _claim_in_range,
+        _touch,
+        _victim_order,
+        _victims,
+    )
 
     _t = {name: tl.constexpr(col) for name, col in TP_COUNTER_COLUMNS.items()}
     T_SELECTED, T_OWN, T_HITS, T_FETCHES = (_t["selected"], _t["own_rows"], _t["buffer_hits"],

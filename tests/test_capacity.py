@@ -1,4 +1,5 @@
-"""The capacity accounting (ulacache.tools.capacity, bench/capacity.py its command line): the paper's two capacity figures, the accounting's sanity, its JSON
+"""The capacity accounting (ulacache.tools.capacity; bench/capacity.py is its command line):
+the paper's two capacity figures, the accounting's sanity, its JSON
 contract, that its ulacache columns charge what the SGLang sizing hook charges
 (``ulacache.sizing.table_bytes_per_slot`` and ``coordinator_output_bytes``), and (marked
 ``sglang``) that its per-token bytes equal SGLang 0.5.23's own sizing, the hook's included."""
