@@ -64,9 +64,11 @@ _KV_BACKEND_HELP = (
     "GPU and CPU pools (turns on the HiSparse code paths; needs --disable-radix-cache)."
 )
 _ULACACHE_CONFIG_HELP = (
-    "UlaCache settings as a JSON object, read only with --kv-backend ulacache; keys and "
-    "defaults are defined by ulacache.config.SGLangOptions (mode dp|tp, cpu_ratio, n_buckets, "
-    "policy, validate; mode tp adds buffer_slots, shard_indexer). Example: "
+    "UlaCache settings as a JSON object, read only with --kv-backend ulacache; keys "
+    "(ulacache.config.SGLangOptions): mode (dp|tp, default dp), cpu_ratio (CPU slots per GPU "
+    "slot, 4), n_buckets (PB-LRU recent buckets, 64), policy (pblru|lru), validate (host "
+    "checks every step, false), access_path (auto|torch|fused, auto: fused on CUDA); mode tp "
+    "adds buffer_slots and shard_indexer. Example: "
     '\'{"mode": "dp", "cpu_ratio": 4}\'.'
 )
 

@@ -267,3 +267,18 @@ def test_a_missing_trace_is_refused_before_torch_is_imported(tmp_path):
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert p.stdout.split() == ["False", "2"], p
     assert p.stderr.strip() == f"ulacache: error: trace {tmp_path / 'none.npz'} does not exist"
+
+
+def test_launch_summary_says_when_the_fused_path_was_not_counted():
+    """Without Triton only the torch path is counted, and the report says so."""
+    from ulacache.tools import compare
+    from ulacache.tools.launches import count_launches
+
+    torch_only = {"torch": count_launches("torch", 3)}
+    s = compare.launch_summary(torch_only, 3)
+    c = torch_only["torch"]
+    assert s["ulacache"]["path"] == "torch"
+    assert s["ulacache"]["per_step"] == c["round"] + 3 * (c["place"] + c["access"])
+    assert s["ulacache"]["release_extra"] == 3 * c["release"]
+    assert "was not counted: Triton is not installed" in s["ulacache"]["how"]
+    assert s["hisparse"]["per_step"] == 4

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -37,15 +38,31 @@ def model():
     return ds.calibrate(load_trace(FIXTURE), layers=4, iters=3)
 
 
-def test_end_to_end_writes_csv_md_json(tmp_path):
+def _without_triton(tmp_path: Path) -> dict:
+    """An environment in which ``import triton`` fails, as after ``pip install -e '.[test]'``."""
+    blocker = tmp_path / "no_triton"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text("import sys\nsys.modules['triton'] = None\n")
+    return {**os.environ, "PYTHONPATH": str(blocker)}
+
+
+@pytest.mark.parametrize("triton", [True, False], ids=["with-triton", "without-triton"])
+def test_end_to_end_writes_csv_md_json(tmp_path, triton):
+    """Without Triton the sweep still runs: the fused path is not counted (the markdown says
+    so) and ulacache is timed on the torch path."""
+    if triton and not fused_countable():
+        pytest.skip("counting the fused path needs Triton: pip install 'ulacache[cuda]'")
+    env = None if triton else _without_triton(tmp_path)
     out = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "decode_sweep.py"), "--json", "--quiet",
          "--levels", "2,4", "--steps", "5", "--requests", "40", "--k", "64", "--h-slots", "128",
          "--gpu-rows", "4000", "--host-rows", "60000", "--layers", "4", "--buckets", "8",
          "--max-input", "3000", "--max-output", "8", "--trace", str(FIXTURE), "--no-png",
          "--out", str(tmp_path)],
-        capture_output=True, text=True, check=True, timeout=120)
+        capture_output=True, text=True, check=True, timeout=120, env=env)
     res = json.loads(out.stdout)
+    assert set(res["ula_launch_counts"]) == ({"fused", "torch"} if triton else {"torch"})
+    assert res["config"]["ula_path"] == ("fused" if triton else "torch")
     assert {"config", "locality", "rows", "peak_tokens_per_s", "peak_ratios"} <= set(res)
     assert {"ulacache/hisparse", "ulacache/resident"} <= set(res["peak_ratios"])
     with open(tmp_path / "decode_sweep.csv") as f:
@@ -59,6 +76,7 @@ def test_end_to_end_writes_csv_md_json(tmp_path):
         assert int(r["overflow"]) == 0
     md = (tmp_path / "decode_sweep.md").read_text()
     assert "| concurrency | policy |" in md and "Peak-throughput ratios" in md
+    assert ("fused path's launches were not counted" in md) is not triton
 
 
 def test_generator_reproduces_calibration_targets_on_real_trace():

@@ -91,6 +91,20 @@ def test_flag_in_launch_server_help(tmp_path):
     assert "--ulacache-config" in out.stdout
 
 
+def test_ulacache_config_help_names_every_key():
+    """The --ulacache-config help lists every key SGLangOptions accepts (it omitted
+    access_path), and each choice-valued key's choices."""
+    import msgspec
+
+    from ulacache.config import SGLangOptions
+    from ulacache.patches.server_args import _ULACACHE_CONFIG_HELP as text
+
+    for f in msgspec.structs.fields(SGLangOptions):
+        assert f.name in text, f.name
+    for choices in ("dp|tp", "pblru|lru", "auto|torch|fused"):
+        assert choices in text, choices
+
+
 def test_parse_kv_backend_ulacache(registered):
     args = _parse(
         ["--kv-backend", "ulacache", "--ulacache-config", '{"mode": "dp", "n_buckets": 4}']

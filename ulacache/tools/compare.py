@@ -257,9 +257,9 @@ def summary(rows: list[Row], capacity: dict | None) -> str:
         for plat, b in capacity["budgets"].items():
             rows_p = {r["system"]: r for r in capacity["rows"] if r["platform"] == plat}
             u, h = rows_p["ulacache_dp"]["unique_tokens"], rows_p["hisparse_dp"]["unique_tokens"]
-            held.append(f"x{u / h:.2f} on {b['label']}")
-        text += (" That memory holds " + " and ".join(held) + " HiSparse's unique history "
-                 "(DP8, accounting).")
+            held.append(f"x{u / h:.2f} ({b['label']})")
+        text += (" Per GPU budget ulacache DP8 holds " + " and ".join(held)
+                 + " HiSparse DP8's unique history (accounting).")
     return text
 
 
