@@ -1,6 +1,7 @@
 """Test-wide settings: one torch thread (small tensor ops on 2 shared cores run faster and
-deterministically single-threaded), reproducible Hypothesis runs, and GPU tests skipped where
-CUDA is absent.
+deterministically single-threaded), reproducible Hypothesis runs, GPU tests skipped where
+CUDA is absent, and Triton's interpreter without its repeated namespace patching
+(tests/interpreter_speedup.py).
 
 Hypothesis profiles: ``ci`` (default) derandomizes, so every run checks the same examples and a
 failure reproduces; ``explore`` (``HYPOTHESIS_PROFILE=explore``) draws fresh examples, 5x as
@@ -9,6 +10,7 @@ many, to look for new failures locally.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -20,6 +22,11 @@ torch.set_num_threads(1)
 # anything imports Triton (the fused-path tests run through it).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    if importlib.util.find_spec("triton") is not None and os.environ["TRITON_INTERPRET"] == "1" \
+            and not os.environ.get("ULACACHE_PLAIN_INTERPRETER"):  # =1: Triton unmodified
+        from tests.interpreter_speedup import install
+
+        install()  # each nested device function's namespace patched once per launch
 
 settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
 settings.register_profile("explore", deadline=None, print_blob=True)

@@ -48,6 +48,19 @@ def test_random_sequences_match_the_reference(seed):
     selections, duplicates, padding, empty rows; hostile entries on some seeds), placements
     and releases: every victim source (free, cold, recent), swaps and single copies, access
     and place overflow, CPU-stack exhaustion."""
+    _random_sequence(seed)
+
+
+def test_the_compiled_sub_block_size_matches_the_reference_too(monkeypatch):
+    """The interpreter runs K3 / G3 with 64-entry sub-blocks (it pays per op); the GPU's 16
+    (eight sub-blocks per block) must make the same decisions."""
+    assert fused_access.FusedAccess.SUB == (64 if fused_access.INTERPRETED else 16)
+    monkeypatch.setattr(fused_access.FusedAccess, "SUB", 16)
+    for seed in (3, 6):
+        _random_sequence(seed)
+
+
+def _random_sequence(seed: int) -> None:
     layers, G, C, rb, nb = GEOMETRIES[seed % 4]
     ref, fused = make_twins(layers, 300, G, C, rb, nb)
     d = TwinDriver(ref, fused, seed)
