@@ -282,3 +282,15 @@ def test_launch_summary_says_when_the_fused_path_was_not_counted():
     assert s["ulacache"]["release_extra"] == 3 * c["release"]
     assert "was not counted: Triton is not installed" in s["ulacache"]["how"]
     assert s["hisparse"]["per_step"] == 4
+
+
+def test_compared_rows_name_the_better_side_and_ties():
+    from ulacache.tools.compare import Row
+
+    assert Row("GPU hit rate", 0.95, 0.90, True).verdict() == "ulacache: +5.0 points"
+    assert Row("H2D KB", 200.0, 100.0, False).verdict() == "HiSparse: x2.00 less"
+    assert Row("kernel launches", 9, 65, False, "launches").verdict() == "ulacache: x7.22 fewer"
+    tie = Row("misses (rows CPU -> GPU)", 100.0, 100.4, False, "rows")
+    assert tie.winner is None and tie.verdict() == "tie" and tie.to_dict()["winner"] is None
+    assert Row("D2H KB", 0.0, 0.0, False).verdict() == "tie"
+    assert Row("D2H KB", 0.0, 3.0, False).verdict() == "ulacache: none at all"

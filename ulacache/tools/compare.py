@@ -45,9 +45,12 @@ class Row:
     unit: str = ""
     note: str = ""
 
+    TIE = 1.005  # values within 0.5% of each other: no winner (the printed precision)
+
     @property
     def winner(self) -> str | None:
-        if self.ulacache == self.hisparse:
+        lo, hi = sorted((self.ulacache, self.hisparse))
+        if hi == lo or (lo > 0 and hi / lo < self.TIE):
             return None
         ula_better = (self.ulacache > self.hisparse) == self.higher_is_better
         return "ulacache" if ula_better else "HiSparse"
@@ -244,7 +247,7 @@ def summary(rows: list[Row], capacity: dict | None) -> str:
                          ("PCIe KB, both directions", "PCIe bytes"),
                          ("kernel launches", "kernel launches")):
         r = by[metric]
-        if r.ulacache == r.hisparse:
+        if r.winner is None:
             parts.append(f"as many {noun}")
         elif r.ulacache < r.hisparse:
             parts.append(f"x{r.hisparse / max(r.ulacache, 1e-12):.2f} fewer {noun}")
