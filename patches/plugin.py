@@ -19,7 +19,16 @@ parsing, ``Engine.__init__``, every scheduler/TP worker, the DP controller, the 
 It then applies the hooks itself and verifies them (:mod:`ulacache.patches.verify`). SGLang logs
 and swallows ``Exception`` from a plugin, so a verification failure while the ulacache backend is
 selected is raised as ``SystemExit`` (which ``load_plugins`` does not catch): a process that was
-asked for ulacache stops instead of silently serving with stock HiSparse.
+asked for ulacache stops instead of silently serving with stock HiSparse. The launcher runs
+``load_plugins()`` before it parses its arguments, so there the choice is read off the command
+line itself (:func:`argv_kv_backend`); the stop is one line naming the module that failed to
+import (e.g. a server dependency SGLang needs), exit status 2.
+
+In the launcher process (``python -m sglang.launch_server``, ``sglang serve``) :func:`register`
+also installs :func:`one_line_errors`: a start-up refusal of ulacache's (a
+:class:`~ulacache.errors.UlaCacheError`, e.g. ``--kv-backend ulacache`` on a model without
+sparse attention) ends the launch as one line ``ulacache: error: ...`` and exit status 2
+instead of a traceback (the traceback is logged at DEBUG).
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import importlib
 import importlib.util
 import logging
 import os
+import sys
 import threading
 
 from ulacache.patches.verify import ExpectedHook, HookVerificationError, verify_hooks
@@ -79,6 +89,73 @@ def selected_kv_backend() -> str | None:
     from ulacache.patches.server_args import ENV_KV_BACKEND  # noqa: PLC0415
 
     return os.environ.get(ENV_KV_BACKEND) or None
+
+
+def argv_kv_backend(argv: list[str] | None = None) -> str | None:
+    """``--kv-backend`` as written on this process's command line (``--kv-backend X`` or
+    ``--kv-backend=X``; the last one wins, as argparse does), or ``None``."""
+    argv = sys.argv[1:] if argv is None else argv
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == "--kv-backend" and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith("--kv-backend="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+EXIT_STATUS = 2  # a refused start-up, as argparse exits for a bad command line
+
+
+def is_launcher() -> bool:
+    """Whether this process is SGLang's launcher (the one that parses the command line)."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    name = getattr(spec, "name", "") or ""
+    return name in ("sglang.launch_server", "sglang.cli.main", "sglang.cli") or \
+        os.path.basename(sys.argv[0] if sys.argv else "") in ("launch_server.py", "sglang")
+
+
+def _refusal(exc: BaseException) -> BaseException | None:
+    """The ulacache start-up refusal in ``exc``'s cause / context chain, if any."""
+    from ulacache.errors import UlaCacheError  # noqa: PLC0415
+
+    seen = 0
+    while exc is not None and seen < 16:
+        if isinstance(exc, (UlaCacheError, HookVerificationError)):
+            return exc
+        # the chain Python prints: an explicit cause, else the context unless suppressed
+        exc = exc.__cause__ if exc.__cause__ is not None else \
+            (None if exc.__suppress_context__ else exc.__context__)
+        seen += 1
+    return None
+
+
+def one_line(exc: BaseException) -> str:
+    """``ulacache: error: <message>`` on one line."""
+    text = exc.one_line() if isinstance(exc, HookVerificationError) else str(exc)
+    return "ulacache: error: " + (" ".join(text.split()) or type(exc).__name__)
+
+
+def one_line_errors() -> None:
+    """Report an uncaught ulacache refusal of this process as one line, exit status 2 (see the
+    module docstring); anything else goes to the previous ``sys.excepthook``. Idempotent."""
+    previous = sys.excepthook
+    if getattr(previous, "_ulacache", False):
+        return
+
+    def hook(exc_type, exc, tb):
+        refusal = _refusal(exc)
+        if refusal is None:
+            return previous(exc_type, exc, tb)
+        logger.debug("ulacache: start-up refused", exc_info=(exc_type, exc, tb))
+        print(one_line(refusal), file=sys.stderr, flush=True)
+        logging.shutdown()
+        # the launcher's own ``finally`` already stopped its children; exit as a refusal
+        os._exit(EXIT_STATUS)
+
+    hook._ulacache = True
+    sys.excepthook = hook
 
 
 def expected_hooks() -> list[ExpectedHook]:
@@ -184,8 +261,11 @@ def register() -> None:
     """Entry point run by SGLang's ``load_plugins()``: register, apply and verify the hooks."""
     from sglang.srt.plugins.hook_registry import HookRegistry  # noqa: PLC0415
 
+    if is_launcher():
+        one_line_errors()
     _register_cli_hooks()
-    backend = selected_kv_backend()
+    # the launcher runs plugins before it parses: there the command line says what was asked
+    backend = selected_kv_backend() or argv_kv_backend()
     if backend == "ulacache":
         try:
             register_class_swaps()
@@ -199,8 +279,13 @@ def register() -> None:
         verify()
     except HookVerificationError as exc:
         if backend == "ulacache":
-            logger.critical("%s", exc)
-            raise SystemExit(f"ulacache plugin could not install its hooks:\n{exc}") from exc
+            logger.debug("%s", exc)
+            # one line, naming what failed to import; SystemExit: load_plugins() would log and
+            # swallow an Exception, and SGLang would start without ulacache
+            print(one_line(exc) + " (--kv-backend ulacache cannot start without it; "
+                  "docs/sglang-install.md lists the server packages)", file=sys.stderr,
+                  flush=True)
+            raise SystemExit(EXIT_STATUS) from exc
         raise
     logger.info(
         "ulacache: plugin registered %d hook(s) (kv_backend=%s)",

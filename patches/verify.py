@@ -26,7 +26,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 __all__ = ["ExpectedHook", "HookVerificationError", "TP_HOOK_TARGETS", "hook_in_place",
-           "verify_hooks", "verify_tp_hooks"]
+           "unimportable", "verify_hooks", "verify_tp_hooks"]
 
 TP_HOOK_TARGETS = (
     "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.__init__",
@@ -38,7 +38,23 @@ both modes, verified there with every other registered hook) and the sharded top
 
 
 class HookVerificationError(RuntimeError):
-    """One or more hooks registered by ulacache are not in effect."""
+    """One or more hooks registered by ulacache are not in effect. ``failures``: (target,
+    reason) of each; :meth:`one_line` states them for a user."""
+
+    def __init__(self, failures: list[tuple[str, str]], message: str) -> None:
+        super().__init__(message)
+        self.failures = list(failures)
+
+    def __reduce__(self):
+        return type(self), (self.failures, self.args[0])
+
+    def one_line(self) -> str:
+        """The failures in one line (the first reason in full, then how many more)."""
+        if not self.failures:
+            return str(self).splitlines()[0]
+        target, reason = self.failures[0]
+        more = f" (and {len(self.failures) - 1} more hook(s))" if len(self.failures) > 1 else ""
+        return f"SGLang did not apply ulacache's hook on {target}: {reason}{more}"
 
 
 @dataclass(frozen=True)
@@ -88,11 +104,38 @@ def _chain_holds(fn: Any, hook: Any, max_depth: int = 32) -> bool:
     return False
 
 
+def unimportable(target: str) -> tuple[str, BaseException] | None:
+    """``(module, error)`` when a module on the dotted path ``target`` fails to import (e.g.
+    ``sglang.srt.entrypoints.engine`` and ``ModuleNotFoundError: No module named
+    'jsonschema'``); ``None`` when every module on it imports. SGLang reports such a target as
+    ``AttributeError: module 'sglang.srt.entrypoints' has no attribute 'engine'``, which hides
+    the missing dependency."""
+    import importlib  # noqa: PLC0415
+
+    parts = target.split(".")
+    for i in range(1, len(parts) + 1):
+        name = ".".join(parts[:i])
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name == name:  # the rest of the path are attributes, not modules
+                return None
+            return name, exc
+        except Exception as exc:  # noqa: BLE001 - any import failure is the root cause
+            return name, exc
+    return None
+
+
 def hook_in_place(expected: ExpectedHook) -> tuple[bool, str]:
     """Check one hook. Returns ``(ok, reason)``; ``reason`` is empty when ``ok``."""
     try:
         current = _resolve_current(expected.target)
     except Exception as exc:  # noqa: BLE001 - any resolution failure means "not in place"
+        cause = unimportable(expected.target)
+        if cause is not None:
+            module, err = cause
+            return False, (f"target cannot be resolved: {module} cannot be imported: "
+                           f"{type(err).__name__}: {err}")
         return False, f"target cannot be resolved: {type(exc).__name__}: {exc}"
     if isinstance(expected.hook, type):
         if current is expected.hook:
@@ -116,13 +159,14 @@ def verify_hooks(expected: Iterable[ExpectedHook]) -> None:
     Call it after ``HookRegistry.apply_hooks()``. The message points at SGLang's log, where
     ``apply_hooks`` wrote the original exception ("Failed to apply hooks to <target>").
     """
-    failures = []
+    failures, reasons = [], []
     for exp in expected:
         ok, reason = hook_in_place(exp)
         if not ok:
             failures.append(f"  - {exp.describe()}: {reason}")
+            reasons.append((exp.target, reason))
     if failures:
-        raise HookVerificationError(
+        raise HookVerificationError(reasons,
             "ulacache: SGLang did not apply these plugin hooks (HookRegistry.apply_hooks only "
             "logs such failures; look for 'Failed to apply hooks to' above, typically an "
             "ImportError of an optional dependency, or another plugin patching the same "
@@ -139,6 +183,7 @@ def verify_tp_hooks(expected: Iterable[ExpectedHook]) -> None:
     missing = [t for t in TP_HOOK_TARGETS if t not in registered]
     if missing:
         raise HookVerificationError(
+            [(t, "never registered") for t in missing],
             "ulacache: --ulacache-config mode 'tp' needs these hooks, which were never "
             "registered (is ulacache.patches.classes.EXTRA_HOOKS out of date?):\n"
             + "\n".join(f"  - {t}" for t in missing))

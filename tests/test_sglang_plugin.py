@@ -369,15 +369,25 @@ def test_verifier_raises_when_target_was_patched_first():
         verify_hooks([ExpectedHook(target, second, "around")])
 
 
-def test_register_exits_when_ulacache_hooks_fail(registered, monkeypatch):
-    """With ulacache selected, a hook failure must stop the process, not just log."""
+def test_register_exits_when_ulacache_hooks_fail(registered, monkeypatch, capsys):
+    """With ulacache selected, a hook failure must stop the process (one line, exit 2), not
+    just log; selected on the launcher's command line too (plugins run before parsing)."""
     broken = ExpectedHook("sglang.srt.server_args.no_such_function", lambda *a: None, "around")
     monkeypatch.setattr(plugin, "_expected", [*plugin.expected_hooks(), broken])
     monkeypatch.setenv(ula_args.ENV_KV_BACKEND, "ulacache")
     monkeypatch.setattr(plugin, "register_class_swaps", lambda: False)
-    with pytest.raises(SystemExit, match="could not install its hooks"):
+    with pytest.raises(SystemExit) as info:
         plugin.register()
-    monkeypatch.setenv(ula_args.ENV_KV_BACKEND, "default")
+    assert info.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("ulacache: error: SGLang did not apply")
+    assert "sglang.srt.server_args.no_such_function" in err[0]
+    monkeypatch.setenv(ula_args.ENV_KV_BACKEND, "")
+    monkeypatch.setattr(plugin.sys, "argv", ["launch_server.py", "--kv-backend", "ulacache"])
+    with pytest.raises(SystemExit) as info:
+        plugin.register()
+    assert info.value.code == 2
+    monkeypatch.setattr(plugin.sys, "argv", ["launch_server.py", "--kv-backend", "hisparse"])
     with pytest.raises(HookVerificationError):
         plugin.register()
 
