@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .sglang_allocator import UlaCacheTokenToKVPoolAllocator
+from .sglang_allocator import ADMISSION_HOOKS, UlaCacheTokenToKVPoolAllocator
 from .sglang_coordinator import UlaCacheCoordinator
 from .sglang_pool import (
     MODEL_SKIPS,
@@ -76,6 +76,7 @@ EXTRA_HOOKS: dict[str, tuple[Any, str]] = {
     "sglang.srt.mem_cache.sparsity.factory.parse_hisparse_config":
         (_parse_hisparse_config_around, "around"),
     **SIZING_HOOKS,
+    **ADMISSION_HOOKS,
     **TP_HOOKS,
 }
 """Hooks the plugin registers with the class swaps when the ulacache backend is selected."""

@@ -130,6 +130,11 @@ def _illegal_raw_combinations(args: Any) -> list[str]:
         problems.append(f"--dcp-size {args.dcp_size} (HiSparse host pools have no DCP layout)")
     if getattr(args, "enable_kv_cache_sharding", False):
         problems.append("--enable-kv-cache-sharding (HiSparse excludes KV sharding)")
+    if backend == "ulacache" and getattr(args, "enable_mixed_chunk", False):
+        problems.append(
+            "--enable-mixed-chunk (a mixed batch runs the running requests' decode tokens in the "
+            "prefill pass, whose every token must be GPU-resident in one round)"
+        )
     if backend == "ulacache" and getattr(args, "use_ray", False):
         problems.append(
             "--use-ray (SGLang's Ray scheduler actor never calls load_plugins(), so the ulacache "
@@ -212,7 +217,8 @@ class UlaServerArgs(_sglang_server_args.ServerArgs):
                 + "; ".join(problems + tp_problems)
                 + ". Legal: --kv-backend hisparse|ulacache with --dcp-size 1 and without "
                 "--enable-kv-cache-sharding"
-                + (" or --use-ray; " if self.kv_backend == "ulacache" else "; ")
+                + (", --enable-mixed-chunk or --use-ray; " if self.kv_backend == "ulacache"
+                   else "; ")
                 + "--ulacache-config only with --kv-backend ulacache"
                 + (f"; {TP_LEGAL}." if tp_problems else ".")
             )

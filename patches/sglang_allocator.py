@@ -15,6 +15,7 @@ import logging
 import torch
 from sglang.srt.mem_cache.allocator.hisparse import HiSparseTokenToKVPoolAllocator
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.prefill_budget import PrefillBudget
 
 from ulacache.errors import CapacityExhausted
 from ulacache.space import AddressSpace
@@ -34,6 +35,78 @@ class _GpuPoolView:
 
     def available_size(self) -> int:
         return int(self.core.groups[0].policy.eligible())
+
+
+class UlaCachePrefillBudget(PrefillBudget):
+    """SGLang's prefill budget (logical tokens: ulacache's unique capacity, GPU + CPU) plus the
+    one thing it does not know: every token of every request in a prefill batch must be
+    GPU-resident in the batch's round (the sparse prefill attention may select any of them),
+    so a batch is refused by :meth:`UlaCacheTokenToKVPoolAllocator.alloc_extend` when their
+    sum exceeds the GPU pool (DP) or a rank's share its pool or buffer (TP). SGLang turns that
+    refusal into ``RuntimeError("Prefill out of memory")`` in its scheduler
+    (``mem_cache/allocation.py`` ``alloc_paged_token_slots_extend``), so the budget refuses
+    first: a request joins a prefill batch only when the whole prompts of the batch's
+    requests, its own included, pass the allocator's :meth:`prefill_fits`; otherwise it waits
+    for the next pass (``PrefillAdder`` returns ``NO_TOKEN``, SGLang's own "no room yet").
+
+    It charges each request its whole prompt (``full_untruncated_fill_ids``), the length of
+    its last chunk's batch, whatever chunk this pass runs: a chunked request's earlier chunks
+    stay on the GPU until its last one. ``request``: the request ``PrefillAdder`` is deciding
+    on, set by the AROUND hooks on its three entry points (:data:`ADMISSION_HOOKS`); the
+    budget's checks come with no request argument."""
+
+    def __init__(self, allocator, tree_cache, *, num_mixed_decode_tokens: int = 0):
+        super().__init__(allocator, tree_cache, num_mixed_decode_tokens=num_mixed_decode_tokens)
+        self.admitted: list[int] = []  # whole prompt lengths of this batch's requests
+        self.request = None
+
+    def _prompt(self) -> int | None:
+        r = self.request
+        return None if r is None else len(r.full_untruncated_fill_ids)
+
+    def gpu_fits(self) -> bool:
+        n = self._prompt()
+        return n is None or self.allocator.prefill_fits(self.admitted + [n])
+
+    def check_prefill(self, **kwargs) -> tuple[bool, int | None]:
+        if not self.gpu_fits():
+            return False, None
+        return super().check_prefill(**kwargs)
+
+    def can_allocate_prefill(self, **kwargs) -> bool:
+        return self.gpu_fits() and super().can_allocate_prefill(**kwargs)
+
+    def fit_chunk(self, **kwargs) -> int | None:
+        if not self.gpu_fits():
+            return None
+        return super().fit_chunk(**kwargs)
+
+    def reserve(self, extend_input_len: int, max_new_tokens: int, **kwargs) -> None:
+        super().reserve(extend_input_len, max_new_tokens, **kwargs)
+        n = self._prompt()
+        if n is not None:
+            self.admitted.append(n)
+            self.request = None
+
+
+def _deciding_on(original_fn, self, req, *args, **kwargs):
+    """AROUND ``PrefillAdder.add_one_req`` / ``add_one_req_ignore_eos`` / ``add_chunked_req``:
+    tell a ulacache budget which request the adder is deciding on."""
+    budget = getattr(self, "memory_budget", None)
+    if not isinstance(budget, UlaCachePrefillBudget):
+        return original_fn(self, req, *args, **kwargs)
+    budget.request = req
+    try:
+        return original_fn(self, req, *args, **kwargs)
+    finally:
+        budget.request = None
+
+
+ADMISSION_HOOKS = {
+    f"sglang.srt.managers.schedule_policy.PrefillAdder.{name}": (_deciding_on, "around")
+    for name in ("add_one_req", "add_one_req_ignore_eos", "add_chunked_req")
+}
+"""Registered with the class swaps (``classes.EXTRA_HOOKS``)."""
 
 
 class UlaCacheTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
@@ -83,6 +156,32 @@ class UlaCacheTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
     def request_slot_reserve(self, *, has_req_pool_slot: bool, prefill_tokens: int = 0) -> int:
         return 0  # the GPU pool is shared: no per-request device buffer to reserve
 
+    # -- admission: refuse what cannot be served, never hand SGLang a None ------------------
+    def prefill_fits(self, seq_lens: list[int]) -> bool:
+        """Whether a prefill batch whose requests reach these lengths (prefix + extend, tokens)
+        can run in one round: every token GPU-resident at once, i.e. (DP) their sum fits the GPU
+        pool. :meth:`alloc_extend` refuses exactly what this refuses."""
+        return sum(seq_lens) <= self.core.config.gpu_slots
+
+    def max_new_tokens_for_memory(self, input_tokens: int, max_new_tokens: int, *,
+                                  token_capacity: int, sliding_window_size: int | None,
+                                  chunk_size: int | None) -> int | None:
+        """SGLang's queue-time clip (``scheduler.py`` ``_clip_max_new_tokens``): ``None`` (the
+        request is aborted with "Request prompt exceeds the KV memory budget") for a prompt
+        whose prefill can never fit the GPU pool, else SGLang's own clip against
+        ``token_capacity``, the unique capacity (GPU + CPU) that ``logical_token_capacity``
+        reports for a ulacache pool."""
+        if not self.prefill_fits([input_tokens]):
+            return None
+        return super().max_new_tokens_for_memory(
+            input_tokens, max_new_tokens, token_capacity=token_capacity,
+            sliding_window_size=sliding_window_size, chunk_size=chunk_size)
+
+    def create_prefill_budget(self, tree_cache, *, num_mixed_decode_tokens: int = 0):
+        """SGLang's prefill budget with the GPU pool's room (:class:`UlaCachePrefillBudget`)."""
+        return UlaCachePrefillBudget(self, tree_cache,
+                                     num_mixed_decode_tokens=num_mixed_decode_tokens)
+
     def alloc_extend(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc,
                      extend_num_tokens):
         """Prefill: logical addresses, then a GPU slot for each in every group (new round).
@@ -91,11 +190,11 @@ class UlaCacheTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         them must be GPU-resident in the same round: a batch whose total length exceeds the GPU
         pool is refused (``None``, SGLang's out-of-memory path) instead of served wrongly.
         """
-        total = int(seq_lens_cpu.sum())
-        if total > self.core.config.gpu_slots:
+        lens = [int(n) for n in seq_lens_cpu.reshape(-1).tolist()]
+        if not self.prefill_fits(lens):  # admission (the prefill budget) should have refused
             logger.warning("ulacache: prefill batch spans %d tokens, more than the %d-slot GPU "
                            "pool; lower --chunked-prefill-size / the prompt length, or give the "
-                           "KV cache more memory", total, self.core.config.gpu_slots)
+                           "KV cache more memory", sum(lens), self.core.config.gpu_slots)
             return None
         locs = self.logical_attn_allocator.alloc_extend(
             prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens)

@@ -20,6 +20,7 @@ from ulacache.errors import ConfigError, StaleSelectionError
 from ulacache.space import AddressSpace
 from ulacache.streams import capturing
 
+from .sglang_metrics import MetricsBridge
 from .sglang_pool import UlaCacheDSATokenToKVPool
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,8 @@ class UlaCacheCoordinator(HiSparseCoordinator):
         self._anchor_step = [(-1, -1)] * len(self.core.groups)  # (round, rows) of last access
         self.ack_staging_queue: list[_Staged] = []
         self._producer_stream = None
+        # ulacache's counters in SGLang's /metrics (--enable-metrics), from the host snapshot
+        self.metrics = MetricsBridge(self.core)
         logger.info("ulacache coordinator: %d request rows, top-k %d, %d selection groups",
                     R, top_k, len(self.core.groups))
 
@@ -137,6 +140,7 @@ class UlaCacheCoordinator(HiSparseCoordinator):
         """A decode step starts: new PB-LRU round, then the new tokens get GPU slots."""
         self.core.begin_round()
         self._place_fresh(out_cache_loc)
+        self.metrics.update()
 
     def prepare_spec_verify(self, batch) -> None:
         self.core.begin_round()
@@ -164,6 +168,7 @@ class UlaCacheCoordinator(HiSparseCoordinator):
         self.core.stream.fence()
         if getattr(req, "hisparse_staging", False):
             self.abort_staging_request(req)
+        self.metrics.update()
 
     def retract_req(self, req) -> None:
         self.request_finished(req)

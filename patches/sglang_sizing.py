@@ -137,9 +137,26 @@ def request_slots(kvc) -> int:
 
 
 
+def logical_token_capacity_around(original_fn, self, *args, **kwargs):
+    """AROUND ``KVCacheConfigurator.logical_token_capacity`` (``kv_cache_configurator.py``,
+    read by ``ModelRunner.logical_max_total_num_tokens``, which the scheduler takes as its
+    ``max_total_num_tokens``): a ulacache pool of ``G`` GPU tokens holds ``G x
+    host_to_device_ratio`` unique tokens (exclusive tiers; its logical allocator hands out that
+    many addresses), and that is the capacity SGLang must admit against: its token usage,
+    ``max_req_len`` and the queue-time clip of generation lengths. Stock SGLang reports ``G``,
+    so with a pool smaller than a request's history every generation was clipped to 0 tokens
+    and the usage read negative."""
+    n = original_fn(self, *args, **kwargs)
+    if getattr(self, "is_draft_worker", False) or not getattr(self, "use_mla_backend", False):
+        return n
+    return n * sglang_options().host_to_device_ratio
+
+
 SIZING_HOOKS: dict[str, tuple[Any, str]] = {
     "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.__init__":
         (pool_configurator_init_around, "around"),
+    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.logical_token_capacity":
+        (logical_token_capacity_around, "around"),
 }
 """Registered with the class swaps (``classes.EXTRA_HOOKS``), in both modes; TP mode also
 requires it (``verify.TP_HOOK_TARGETS``)."""

@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 
 import torch
-from sglang.srt.mem_cache.hisparse_memory_pool import HiSparseDSATokenToKVPool
 
 from ulacache.config import SGLangOptions, UlaCacheConfig
 from ulacache.errors import ConfigError, StaleSelectionError
@@ -94,8 +93,11 @@ class UlaCacheTPDSATokenToKVPool(UlaCacheDSATokenToKVPool):
         self.ula_gpu_rows, self.ula_buffer_rows = G, B
         self.ula_rows = -(-(page_size + G + 1 + B) // page_size) * page_size
         self.ula_peers = make_tp_peers(grp, device)
-        HiSparseDSATokenToKVPool.__init__(
-            self, size, page_size, kv_lora_rank, dtype, qk_rope_head_dim, layer_num, device,
+        # SGLang's own pool constructor, skipping the DP pool's (which builds a DP core). Not
+        # ``HiSparseDSATokenToKVPool.__init__`` by name: under the plugin that name is bound to
+        # ulacache's DP pool class once the class swap has run (seen on a live TP launch).
+        super(UlaCacheDSATokenToKVPool, self).__init__(
+            size, page_size, kv_lora_rank, dtype, qk_rope_head_dim, layer_num, device,
             index_head_dim, enable_memory_saver, kv_cache_dim, start_layer=start_layer,
             end_layer=end_layer, index_kpool=index_kpool,
             index_kpool_compress=index_kpool_compress, tail_extra_slots=tail_extra_slots,

@@ -45,6 +45,13 @@ class UlaCacheTPTokenToKVPoolAllocator(UlaCacheTokenToKVPoolAllocator):
         self.group = kvcache.ula_group
         self.tp_size = kvcache.ula_P
 
+    def prefill_fits(self, seq_lens: list[int]) -> bool:
+        """TP: each rank's own share of the batch's tokens fits its GPU pool and the rest (its
+        peers' rows) its buffer (every rank computes the same answer from the same lengths)."""
+        cfg = self.core.config
+        own = tps.owned_counts(seq_lens, self.tp_size)
+        return max(own) <= cfg.gpu_slots and sum(seq_lens) - min(own) <= cfg.buffer_slots
+
     def alloc_extend(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc,
                      extend_num_tokens):
         """Prefill: logical addresses, a new round, then own rows in every group's pool and
@@ -58,7 +65,7 @@ class UlaCacheTPTokenToKVPoolAllocator(UlaCacheTokenToKVPoolAllocator):
         lens = [int(n) for n in seq_lens_cpu.reshape(-1).tolist()]
         own = tps.owned_counts(lens, self.tp_size)
         total = sum(lens)
-        if max(own) > cfg.gpu_slots or total - min(own) > cfg.buffer_slots:
+        if not self.prefill_fits(lens):
             logger.warning("ulacache TP: prefill batch spans %d tokens; a rank owns up to %d "
                            "(GPU pool %d rows) and copies up to %d of its peers' (buffer %d "
                            "rows); lower --chunked-prefill-size / the prompt length, or raise "
@@ -138,6 +145,7 @@ class UlaCacheTPCoordinator(UlaCacheCoordinator):
         and buffer copies (every other rank)."""
         self._begin_round()
         self._place_fresh(out_cache_loc)
+        self.metrics.update()
 
     def prepare_spec_verify(self, batch) -> None:
         self._begin_round()

@@ -1,0 +1,109 @@
+"""ulacache in a real SGLang 0.5.23 server on CPU, the other modes: GLM-5's architecture
+(GlmMoeDsaForCausalLM) with ``validate: true`` (host checks on every step), and TP mode over
+two ranks (``--tp-size 2``, gloo) with the address space striped across them, each against
+SGLang's stock pool serving the same model in the same parallel layout. See
+test_sglang_server.py for the harness, the stand-ins and why token identity is checked on
+batches both servers run alike.
+
+TP on SGLang's CPU engine needs one stand-in (cpu_stand_ins.py section 11: no PyNccl
+communicator on CPU) and ``SGLANG_CPU_OMP_THREADS_BIND`` (one core per rank).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("sglang")
+try:  # the server packages (requirements/sglang-server.txt)
+    import jsonschema  # noqa: F401
+    import xgrammar  # noqa: F401
+except ImportError as e:
+    pytest.skip(f"SGLang's server packages are missing ({e}): pip install --no-deps -r "
+                "requirements/sglang-server.txt", allow_module_level=True)
+
+from tests.sglang_server.harness import write_model  # noqa: E402
+from tests.test_sglang_server import (  # noqa: E402
+    BATCH,
+    COMMON,
+    CPU_RATIO,
+    LONG,
+    STOCK,
+    ULA,
+    _start,
+    generate,
+    metric,
+    tokens,
+)
+
+pytestmark = pytest.mark.sglang_server
+
+TP_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1",  # one core per rank (2 cores here)
+          "SGLANG_DSA_TOPK_BROADCAST": "1"}  # every rank selects rank 0's top-k (TP mode's rule)
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory):
+    return tmp_path_factory.mktemp("sglang_server_modes")
+
+
+def _pair(tmp, name, model, stock_flags, ula_flags, env=None):
+    """(stock tokens, ulacache run) for the same workloads; the stock server is stopped
+    before ulacache's starts (two cores)."""
+    stock = _start(tmp, f"{name}-stock", model, COMMON + STOCK + stock_flags, env)
+    try:
+        ref = {"long": [tokens(generate(stock.srv, p, 96)) for p in LONG[:2]],
+               "batch": tokens(generate(stock.srv, BATCH, 64))}
+    finally:
+        stock.srv.stop()
+    return ref, _start(tmp, f"{name}-ula", model, COMMON + ULA + ula_flags, env)
+
+
+@pytest.fixture(scope="module")
+def glm(tmp):
+    model = write_model(tmp / "glm", "GlmMoeDsaForCausalLM")
+    ref, run = _pair(tmp, "glm", model, [], ["--ulacache-config", json.dumps(
+        {"cpu_ratio": CPU_RATIO, "validate": True})])
+    yield ref, run
+    run.srv.stop()
+    checks, failures = run.integrity()
+    assert checks > 0 and not failures, failures[:3]
+
+
+@pytest.fixture(scope="module")
+def tp(tmp):
+    model = write_model(tmp / "dsa", "DeepseekV32ForCausalLM")
+    # ULA's --max-total-tokens 320 is the group's: 160 GPU tokens per rank
+    ref, run = _pair(tmp, "tp", model, ["--tp-size", "2"], ["--tp-size", "2",
+                     "--ulacache-config", json.dumps({"mode": "tp", "cpu_ratio": CPU_RATIO})],
+                     TP_ENV)
+    yield ref, run
+    run.srv.stop()
+    checks, failures = run.integrity()
+    assert checks > 0 and not failures, failures[:3]
+
+
+def test_glm5_with_validate_matches_the_stock_pool(glm):
+    """GlmMoeDsaForCausalLM (interleaved rope, indexer too) with every host check on."""
+    ref, run = glm
+    assert [tokens(generate(run.srv, p, 96)) for p in LONG[:2]] == ref["long"]
+    assert tokens(generate(run.srv, BATCH, 64)) == ref["batch"]
+    text = run.metrics()
+    assert metric(text, "ulacache_promotions") > 0 and metric(text, "ulacache_invalid") == 0
+
+
+def test_tp2_matches_the_stock_pool_and_moves_rows_between_ranks(tp):
+    """Two ranks stripe one address space (each owns every other token); 300 + 96 tokens of
+    history against 160 GPU tokens per rank: promotions on each owner, peers' rows copied
+    into each rank's buffer every step."""
+    ref, run = tp
+    assert [tokens(generate(run.srv, p, 96)) for p in LONG[:2]] == ref["long"]
+    assert tokens(generate(run.srv, BATCH, 64)) == ref["batch"]
+    text = run.metrics()
+    assert metric(text, "ulacache_tp_peer_fetches") > 0
+    assert metric(text, "ulacache_promotions") > 0
+    for name in ("ulacache_tp_peer_missing", "ulacache_tp_buffer_overflow",
+                 "ulacache_access_overflow", "ulacache_invalid"):
+        assert metric(text, name) == 0, name
+    assert 'rank="1"' in text  # both ranks export into SGLang's scrape
