@@ -272,3 +272,42 @@ def run_launch(model_dir: Path, flags: list[str], env: dict[str, str] | None = N
         with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tests.sglang_server.harness``: serve a tiny DSA model on this CPU with
+    ulacache (or the stock pool) in the foreground, as the tests do (docs/serve-on-cpu.md)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m tests.sglang_server.harness",
+                                 description="serve a tiny random-weight DSA model on CPU")
+    ap.add_argument("--model", choices=sorted(a for a in MODELS if a != "LlamaForCausalLM"),
+                    default="DeepseekV32ForCausalLM")
+    ap.add_argument("--dir", type=Path, default=Path("/tmp/ulacache-cpu-model"),
+                    help="where config.json is written (default %(default)s)")
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--stock", action="store_true", help="SGLang's stock pool, not ulacache")
+    ap.add_argument("--gpu-tokens", type=int, default=320,
+                    help="ulacache's GPU pool in tokens (--max-total-tokens; default %(default)s)")
+    ap.add_argument("--ulacache-config", default='{"cpu_ratio": 3}')
+    ap.add_argument("extra", nargs=argparse.REMAINDER,
+                    help="further launch_server flags, after --")
+    a = ap.parse_args(argv)
+    flags = ["--max-running-requests", "4", "--enable-metrics"]
+    if a.stock:
+        flags += ["--max-total-tokens", "4096"]
+    else:
+        flags += ["--kv-backend", "ulacache", "--disable-radix-cache", "--max-total-tokens",
+                  str(a.gpu_tokens), "--ulacache-config", a.ulacache_config]
+    flags += [f for f in a.extra if f != "--"]
+    srv = Server(write_model(a.dir, a.model), flags, port=a.port)
+    env = {**os.environ, **BASE_ENV}
+    env["PYTHONPATH"] = os.pathsep.join([str(SITE), str(ROOT)] + [
+        p for p in (env.get("PYTHONPATH") or "").split(os.pathsep) if p])
+    print(" ".join(srv.command()), file=sys.stderr, flush=True)
+    # foreground: the server's log on this terminal, Ctrl-C stops it
+    return subprocess.call(srv.command(), env=env, cwd=srv.model_dir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
