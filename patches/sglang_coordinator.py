@@ -200,7 +200,7 @@ class UlaCacheCoordinator(HiSparseCoordinator):
 
         ``top_k_result`` is ``int32 [bs, K]`` (decode) or ``[bs, steps, K]`` (verify) positions
         of each request, ``-1`` padded; rows ``>= num_real_reqs`` are padding and come back
-        ``-1``. The group's anchor layer runs the sparse access; its other layers reuse it.
+        ``-1``, and so do entries whose address is on SGLang's reserved sink page. The group's anchor layer runs the sparse access; its other layers reuse it.
         """
         shape = top_k_result.shape
         bs, K = shape[0], shape[-1]
@@ -222,9 +222,14 @@ class UlaCacheCoordinator(HiSparseCoordinator):
         if steps > 1:
             req = req.repeat_interleave(steps)
             real = real.repeat_interleave(steps)
-        valid = (pos >= 0) & real.unsqueeze(1)
         table = self.req_to_token_pool.req_to_token
         addrs = table[req.unsqueeze(1), pos.clamp(min=0)].to(torch.int64)
+        # SGLang's reserved first page is its padding sink, never a token's address (the paged
+        # allocator hands out pages from 1: mem_cache/allocator/paged.py:396). The decode
+        # graph runner's warmup and capture batches (req_pool_indices 0, seq_lens its fill
+        # value, every row "real": decode_cuda_graph_runner.py:1242) select entries that read
+        # it: padding, as in prefill_rows (validate on used to refuse them as dead addresses).
+        valid = (pos >= 0) & real.unsqueeze(1) & (addrs >= self.page_size)
         slots = self._serve_anchor(gi, layer_id, torch.where(valid, addrs, -1))
         self._anchor_step[gi] = (self.core.round_serial, n)
         out = self._rows_out[gi][:n]

@@ -416,3 +416,36 @@ def test_bad_ulacache_config_stops_start_up(monkeypatch):
     monkeypatch.setattr(rc, "get_server_args",
                         lambda: types.SimpleNamespace(ulacache_config='{"cpu_ratio": 2}'))
     assert sglang_options().cpu_ratio == 2
+
+
+def test_validate_survives_the_graph_runners_warmup_batch():
+    """SGLang's decode graph runner warms up and captures every batch size with a dummy batch:
+    req_pool_indices 0, seq_lens its fill value, num_real_reqs = bs
+    (decode_cuda_graph_runner.py:1242), so the indexer's positions read req_to_token entries
+    on SGLang's reserved sink page (address < page size). With validate on these were refused
+    as dead addresses and start-up failed; they are padding (-1), and a real request beside
+    them is still served and checked."""
+    h = Harness(False, validate=True)
+    h.prefill(1, 200, chunk=200)
+    h.coord.collect_ready_reqs()
+    bs = 3
+    h.coord.core.begin_round()
+    h.coord.num_real_reqs.fill_(bs)
+    topk = torch.full((bs, K), -1, dtype=torch.int32)
+    topk[:, 0] = 0  # seq_len fill value 1: position 0 selected
+    ri = torch.zeros(bs, dtype=torch.int64)
+    for layer in range(L):
+        rows = h.coord.swap_in_selected_pages(ri, torch.ones(bs, dtype=torch.int64), topk, layer)
+        assert (rows == -1).all()
+    h.check()
+    # a live request's bad position (a dead address) is still refused with validate on
+    from ulacache.errors import AddressError
+
+    h.coord.num_real_reqs.fill_(1)
+    bad = torch.full((1, K), -1, dtype=torch.int32)
+    bad[0, 0] = 300  # past the request's 200 tokens: req_to_token holds no live address there
+    h.rtp.req_to_token[1, 300] = 5000  # a stale, never-allocated address above the sink page
+    with pytest.raises(AddressError):
+        h.coord.swap_in_selected_pages(torch.tensor([1]), torch.tensor([200]), bad, 0)
+    h.check()
+    h.decode_step([1])
