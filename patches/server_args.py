@@ -135,6 +135,8 @@ def _illegal_raw_combinations(args: Any) -> list[str]:
             "--enable-mixed-chunk (a mixed batch runs the running requests' decode tokens in the "
             "prefill pass, whose every token must be GPU-resident in one round)"
         )
+    if backend == "ulacache":
+        problems += _ulacache_unsupported(args)
     if backend == "ulacache" and getattr(args, "use_ray", False):
         problems.append(
             "--use-ray (SGLang's Ray scheduler actor never calls load_plugins(), so the ulacache "
@@ -143,10 +145,29 @@ def _illegal_raw_combinations(args: Any) -> list[str]:
     return problems
 
 
+def _ulacache_unsupported(args: Any) -> list[str]:
+    """Deployments ulacache does not serve yet, whatever the mode: each would start and then
+    fail (or serve wrong) at its first request, so they are refused before anything loads."""
+    problems = []
+    pd = str(getattr(args, "disaggregation_mode", "null") or "null")
+    if pd != "null":
+        # decode: disaggregation/decode.py reads the coordinator's mem_pool_host (a host
+        # mirror ulacache's exclusive tiers do not have) and calls admit_request_direct;
+        # prefill: the KV sender reads pool rows by SGLang's own slot ids
+        problems.append(f"--disaggregation-mode {pd} (prefill/decode disaggregation is not "
+                        "built: ulacache has no host mirror to hand over; serve colocated)")
+    if int(getattr(args, "pp_size", 1) or 1) > 1:
+        problems.append(f"--pp-size {args.pp_size} (pipeline stages are not built: the pool's "
+                        "selection groups and the coordinator assume every layer on one rank)")
+    if int(getattr(args, "attn_cp_size", 1) or 1) > 1:
+        problems.append(f"--attn-cp-size {args.attn_cp_size} (context-parallel attention "
+                        "splits a request's tokens across ranks; the address space does not)")
+    return problems
+
+
 TP_LEGAL = (
     "mode 'tp': an attention-TP group of 2, 4 or 8 ranks (--tp, or --tp / --attn-dp-size with "
-    "attention DP), --pp-size 1, --attn-cp-size 1, SGLANG_DSA_TOPK_BROADCAST=1 in the "
-    "environment"
+    "attention DP), SGLANG_DSA_TOPK_BROADCAST=1 in the environment"
 )
 """The legal TP-mode combination, as error messages state it."""
 
@@ -163,13 +184,7 @@ def _illegal_tp_combinations(args: Any, config: dict[str, Any]) -> list[str]:
     if args.kv_backend != "ulacache" or config.get("mode") != "tp":
         return []
     tp, adp = int(args.tp_size or 1), int(getattr(args, "attn_dp_size", 1) or 1)
-    problems = []
-    if int(getattr(args, "pp_size", 1) or 1) > 1:
-        problems.append(f"--pp-size {args.pp_size} (TP mode stripes one pipeline stage's "
-                        "attention-TP group only)")
-    if int(getattr(args, "attn_cp_size", 1) or 1) > 1:
-        problems.append(f"--attn-cp-size {args.attn_cp_size} (context-parallel attention "
-                        "splits tokens across the stripe's ranks)")
+    problems = []  # --pp-size and --attn-cp-size > 1 are refused in every mode
     if adp > 1 and (tp % adp or tp // adp not in (2, 4, 8)):
         problems.append(f"--attn-dp-size {adp} with --tp {tp} (each attention-DP group's TP "
                         f"size --tp / --attn-dp-size must be 2, 4 or 8)")
@@ -217,8 +232,8 @@ class UlaServerArgs(_sglang_server_args.ServerArgs):
                 + "; ".join(problems + tp_problems)
                 + ". Legal: --kv-backend hisparse|ulacache with --dcp-size 1 and without "
                 "--enable-kv-cache-sharding"
-                + (", --enable-mixed-chunk or --use-ray; " if self.kv_backend == "ulacache"
-                   else "; ")
+                + (", --enable-mixed-chunk, --use-ray, --disaggregation-mode, --pp-size > 1 "
+                   "or --attn-cp-size > 1; " if self.kv_backend == "ulacache" else "; ")
                 + "--ulacache-config only with --kv-backend ulacache"
                 + (f"; {TP_LEGAL}." if tp_problems else ".")
             )
@@ -257,8 +272,8 @@ def validate_hisparse_around(original_fn, server_args, *args, **kwargs):
     except (AssertionError, ValueError, NotImplementedError) as exc:
         raise ConfigError(
             f"--kv-backend ulacache runs on SGLang's HiSparse paths and inherits their "
-            f"constraints: {exc or type(exc).__name__}. Legal combination: a DSA model "
-            "(DeepSeek-V3.2, GLM-5.x, ...), --disable-radix-cache, no --enable-mixed-chunk, "
+            f"constraints: {str(exc).rstrip('. ') or type(exc).__name__}. Legal combination: "
+            "a DSA model (DeepSeek-V3.2, GLM-5.x, ...), --disable-radix-cache, no --enable-mixed-chunk, "
             "speculative decoding only with --speculative-eagle-topk 1 and without "
             "--speculative-adaptive, --kv-cache-dtype bfloat16 (--dsa-*-backend flashmla_sparse) "
             "or fp8_e4m3 (flashmla_kv / flashinfer_sparse_mla)."

@@ -200,7 +200,8 @@ class UlaCacheCoordinator(HiSparseCoordinator):
 
         ``top_k_result`` is ``int32 [bs, K]`` (decode) or ``[bs, steps, K]`` (verify) positions
         of each request, ``-1`` padded; rows ``>= num_real_reqs`` are padding and come back
-        ``-1``, and so do entries whose address is on SGLang's reserved sink page. The group's anchor layer runs the sparse access; its other layers reuse it.
+        ``-1``, and so do entries whose address is on SGLang's reserved sink page. The group's
+        anchor layer runs the sparse access; its other layers reuse it.
         """
         shape = top_k_result.shape
         bs, K = shape[0], shape[-1]

@@ -277,10 +277,11 @@ def test_ulacache_metrics_are_in_sglang_s_own_scrape(ula):
 # -- start-up refusals through launch_server itself -----------------------------------------
 @pytest.fixture(scope="module")
 def refusals(tmp, dsa_model) -> dict:
-    """Three launches that must refuse before serving, run at once (each is mostly SGLang's
-    import time): a bad --ulacache-config, a model without sparse attention, and a server
-    dependency missing (uvloop: SGLang cannot import its engine module and only logs that
-    its hooks failed)."""
+    """Launches that must refuse before serving, run at once (each is mostly SGLang's import
+    time): a bad --ulacache-config, a model without sparse attention, a server dependency
+    missing (uvloop: SGLang cannot import its engine module and only logs that its hooks
+    failed), deployments not built (PD decode, pipeline stages, context-parallel attention:
+    one launch, one line naming all three) and the radix cache left on."""
     from concurrent.futures import ThreadPoolExecutor
 
     llama = write_model(tmp / "llama", "LlamaForCausalLM")
@@ -290,6 +291,9 @@ def refusals(tmp, dsa_model) -> dict:
                                     dsa=False),
         "dependency": lambda: run_launch(dsa_model, ULA,
                                          env={"ULA_TEST_BLOCK_MODULES": "uvloop"}),
+        "not built": lambda: run_launch(dsa_model, ULA + [
+            "--disaggregation-mode", "decode", "--pp-size", "2", "--attn-cp-size", "2"]),
+        "radix": lambda: run_launch(dsa_model, ["--kv-backend", "ulacache"]),
     }
     with ThreadPoolExecutor(len(launches)) as ex:
         futures = {name: ex.submit(fn) for name, fn in launches.items()}
@@ -324,6 +328,24 @@ def test_a_missing_server_dependency_stops_a_ulacache_launch(refusals):
     line = _one_line(p)
     assert p.returncode == 2 and line.startswith("ulacache: error: "), (p.returncode, line)
     assert "sglang.srt.entrypoints.engine cannot be imported" in line and "uvloop" in line
+
+
+def test_deployments_not_built_are_refused_at_launch_with_one_line(refusals):
+    """--disaggregation-mode decode used to start and then crash at disaggregation/decode.py
+    reading mem_pool_host; pipeline stages and context-parallel attention are not built."""
+    p = refusals["not built"]
+    line = _one_line(p)
+    assert p.returncode == 2 and line.startswith("ulacache: error: "), (p.returncode, line)
+    for flag in ("--disaggregation-mode decode", "--pp-size 2", "--attn-cp-size 2"):
+        assert flag in line, (flag, line)
+    assert "Traceback" not in p.stderr
+
+
+def test_the_radix_cache_left_on_is_refused_with_one_line(refusals):
+    p = refusals["radix"]
+    line = _one_line(p)
+    assert p.returncode == 2 and line.startswith("ulacache: error: "), (p.returncode, line)
+    assert "--disable-radix-cache" in line and "Traceback" not in p.stderr
 
 
 def test_the_index_topk_of_the_tiny_model_is_below_the_prompts():

@@ -492,8 +492,6 @@ def _tp_args(**kw):
     ({"tp_size": 6}, "--tp 6"),
     ({"tp_size": 8, "attn_dp_size": 8}, "--attn-dp-size 8 with --tp 8"),
     ({"tp_size": 8, "attn_dp_size": 3}, "--attn-dp-size 3"),
-    ({"tp_size": 2, "pp_size": 2}, "--pp-size 2"),
-    ({"tp_size": 2, "attn_cp_size": 2}, "--attn-cp-size 2"),
 ])
 def test_tp_mode_refuses_illegal_parallelism_naming_flags(clean_env, kw, fragment):
     from ulacache.errors import ConfigError
@@ -502,6 +500,29 @@ def test_tp_mode_refuses_illegal_parallelism_naming_flags(clean_env, kw, fragmen
         _tp_args(**kw)
     msg = str(info.value)
     assert fragment in msg and "Legal:" in msg and "mode 'tp'" in msg, msg
+
+
+@pytest.mark.parametrize("mode", ["dp", "tp"])
+@pytest.mark.parametrize(("kw", "fragment"), [
+    ({"pp_size": 2}, "--pp-size 2"),
+    ({"attn_cp_size": 2}, "--attn-cp-size 2"),
+    ({"disaggregation_mode": "decode"}, "--disaggregation-mode decode"),
+    ({"disaggregation_mode": "prefill"}, "--disaggregation-mode prefill"),
+])
+def test_deployments_not_built_are_refused_in_every_mode(clean_env, mode, kw, fragment):
+    """PD disaggregation (decode crashed at disaggregation/decode.py reading mem_pool_host),
+    pipeline stages and context-parallel attention: refused when the arguments are built,
+    naming the flag and the legal alternative."""
+    from ulacache.errors import ConfigError
+    from ulacache.patches.server_args import UlaServerArgs
+
+    with pytest.raises(ConfigError) as info:
+        UlaServerArgs(model_path="dummy", device="cpu", kv_backend="ulacache",
+                      ulacache_config={"mode": mode}, tp_size=2, **kw)
+    msg = str(info.value)
+    assert fragment in msg and "Legal:" in msg, msg
+    # the stock pool and HiSparse are not affected by ulacache's refusals
+    UlaServerArgs(model_path="dummy", device="cpu", kv_backend="default", tp_size=2, **kw)
 
 
 def test_tp_mode_needs_the_topk_broadcast(clean_env):
