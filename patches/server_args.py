@@ -275,8 +275,8 @@ def validate_hisparse_around(original_fn, server_args, *args, **kwargs):
             f"constraints: {str(exc).rstrip('. ') or type(exc).__name__}. Legal combination: "
             "a DSA model (DeepSeek-V3.2, GLM-5.x, ...), --disable-radix-cache, no "
             "--enable-mixed-chunk, speculative decoding only with --speculative-eagle-topk 1 "
-            "and without --speculative-adaptive, --kv-cache-dtype bfloat16 (--dsa-*-backend flashmla_sparse) "
-            "or fp8_e4m3 (flashmla_kv / flashinfer_sparse_mla)."
+            "and without --speculative-adaptive, --kv-cache-dtype bfloat16 (--dsa-*-backend "
+            "flashmla_sparse) or fp8_e4m3 (flashmla_kv / flashinfer_sparse_mla)."
         ) from exc
 
 
