@@ -430,24 +430,40 @@ def _word_view(pool: torch.Tensor) -> torch.Tensor:
     return pool
 
 
+SCRATCH_DTYPES = (torch.int64, torch.int64, torch.int32, torch.int64)
+"""Per-entry scratch of one access / place call (local address, phys, status, victim); the
+release uses the first tensor (its CPU slots)."""
+
+
 class Scratch:
     """Per-call scratch: one tensor per entry of each dtype given, plus per-block ``int32``
-    counts, grown to the largest call seen (power-of-two capacity) and viewed to ``n``. Memory
-    stays bounded however call sizes vary (prefill page tables differ per request); a CUDA
-    graph captures views of tensors allocated before it (warm up with the largest size)."""
+    counts, allocated once for ``capacity`` entries and never replaced: a CUDA graph that
+    captured views of it stays valid whatever is called later (a prefill larger than any
+    decode step included). Calls of more than ``capacity`` entries are the caller's to split
+    (:class:`ulacache.group.SelectionGroup` and :class:`ulacache.tp.TPAddressSpace` run them
+    in chunks); one here raises :class:`~ulacache.errors.ShapeError`."""
 
-    def __init__(self, device: torch.device, dtypes: list[torch.dtype], block: int):
-        self.device, self.dtypes, self.block = device, dtypes, block
-        self.cap = 0
-        self.tensors: tuple[torch.Tensor, ...] = ()
+    def __init__(self, device: torch.device, dtypes: tuple[torch.dtype, ...] | list,
+                 block: int, capacity: int):
+        self.device, self.dtypes, self.block = device, tuple(dtypes), block
+        self.cap = -(-max(1, int(capacity)) // block) * block
+        self.tensors: tuple[torch.Tensor, ...] = (
+            *(torch.empty(self.cap, dtype=d, device=device) for d in self.dtypes),
+            torch.empty(self.cap // block, dtype=torch.int32, device=device))
+
+    @staticmethod
+    def bytes_for(dtypes, block: int, capacity: int) -> int:
+        """Device bytes a scratch of ``capacity`` entries allocates (the sizing charges it)."""
+        cap = -(-max(1, int(capacity)) // block) * block
+        return cap * sum(torch.empty((), dtype=d).element_size() for d in dtypes) + \
+            cap // block * 4
 
     def get(self, n: int) -> tuple[torch.Tensor, ...]:
-        if n > self.cap or not self.tensors:
-            self.cap = _pow2(max(n, 2 * self.cap, self.block))
-            self.tensors = (*(torch.empty(self.cap, dtype=d, device=self.device)
-                              for d in self.dtypes),
-                            torch.empty(self.cap // self.block, dtype=torch.int32,
-                                        device=self.device))
+        if n > self.cap:
+            from ulacache.errors import ShapeError
+
+            raise ShapeError(f"a fused call of {n} entries exceeds its scratch ({self.cap} "
+                             "entries, config call_capacity): split it into chunks")
         *per_entry, blocks = self.tensors
         return (*(t[:n] for t in per_entry), blocks)
 
@@ -455,8 +471,8 @@ class Scratch:
 class FusedAccess:
     """The fused kernels bound to one :class:`ulacache.group.SelectionGroup` (PB-LRU policy).
 
-    Calls take the group's already-checked inputs; every call is four launches and no other
-    device op (scratch is cached per entry count, so a captured graph reuses it).
+    Calls take the group's already-checked inputs, at most ``scratch.cap`` entries; every call
+    is four launches and no other device op (the scratch is allocated once).
     """
 
     BLOCK = 128
@@ -468,7 +484,7 @@ class FusedAccess:
     SUB = 64 if INTERPRETED else 16
     CHUNK = 64  # words of a row copied per inner step
 
-    def __init__(self, group) -> None:
+    def __init__(self, group, scratch: Scratch | None = None) -> None:
         if triton is None:
             raise RuntimeError("the fused access path needs Triton (pip install triton)")
         self.g = group
@@ -477,8 +493,11 @@ class FusedAccess:
         self.w1, self.s1, self.h1 = p.n_words + 16, p.n_super + 1, p.n_hyper + 1
         self.rp = _pow2(p.n_buckets + 2)
         self.hp = _pow2(p.n_hyper)
-        self._scratch = Scratch(group.device, [torch.int64, torch.int64, torch.int32,
-                                               torch.int64], self.BLOCK)
+        # shared by the groups of an address space (they run one at a time on one stream)
+        self._scratch = scratch if scratch is not None else \
+            Scratch(group.device, SCRATCH_DTYPES, self.BLOCK, group.max_call)
+        if self._scratch.dtypes != SCRATCH_DTYPES or self._scratch.block != self.BLOCK:
+            raise ValueError("a fused access scratch needs SCRATCH_DTYPES per BLOCK entries")
         self.gpu_words = _word_view(group.pools.gpu)
         self.cpu_words = _word_view(group.pools.cpu)
         if self.gpu_words.dtype != self.cpu_words.dtype:  # one element type per copy loop

@@ -47,7 +47,8 @@ def record_launches(n_layers: int = 2, gpu_slots: int = 4096, row_bytes: int = 6
         calls.append((kernel, args, meta))
 
     group = SelectionGroup(list(range(n_layers)), gpu_slots * 4, gpu_slots, gpu_slots * 2,
-                           row_bytes, "cpu", "pblru", 64, False, access_path="torch")
+                           row_bytes, "cpu", "pblru", 64, False, access_path="torch",
+                           max_call=shape[0] * shape[1])
     fused = fa.FusedAccess(group)
     saved, fa._launch = fa._launch, record
     try:
@@ -62,7 +63,7 @@ def record_launches(n_layers: int = 2, gpu_slots: int = 4096, row_bytes: int = 6
         from .fused_tp import FusedGates
 
         buffer = LocalBuffer(gpu_slots * 32, gpu_slots, torch.device("cpu"))
-        gates = FusedGates(buffer, gpu_slots, 3, 8)
+        gates = FusedGates(buffer, gpu_slots, 3, 8, addrs.numel())
         own = torch.empty(addrs.shape, dtype=torch.int32)
         gates.claim_first(addrs)
         gates.run(addrs, torch.empty(8, addrs.numel(), dtype=torch.int32), own,

@@ -97,7 +97,7 @@ class FusedRelease:
     """The fused release bound to one :class:`ulacache.group.SelectionGroup` (PB-LRU policy).
 
     Calls take the group's already-checked ``addrs`` (flat, contiguous ``int32|int64``);
-    every call is three launches and no other device op (scratch grows to the largest call).
+    every call is three launches and no other device op (scratch allocated once).
     """
 
     BLOCK = FusedAccess.BLOCK
@@ -108,7 +108,9 @@ class FusedRelease:
         self.g = group
         p = group.policy
         self.w1, self.s1, self.h1 = p.n_words + 16, p.n_super + 1, p.n_hyper + 1
-        self._scratch = Scratch(group.device, [torch.int64], self.BLOCK)
+        # the group's access scratch: its first per-entry tensor holds the CPU slots
+        self._scratch = group.fused._scratch if group.fused is not None else \
+            Scratch(group.device, [torch.int64], self.BLOCK, group.max_call)
         self._top0 = torch.zeros((), dtype=torch.int64, device=group.device)
 
     def run(self, addrs: torch.Tensor) -> None:
@@ -116,7 +118,7 @@ class FusedRelease:
         n = addrs.numel()
         if n == 0:
             return
-        cslot, block_push = self._scratch.get(n)
+        cslot, *_, block_push = self._scratch.get(n)
         grid = (-(-n // self.BLOCK),)
         N, G, C = g.n_logical, g.gpu_slots, g.cpu_slots
         launch = fused_access._launch  # looked up per call: fused_compile records launches

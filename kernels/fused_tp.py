@@ -157,20 +157,25 @@ if fa.triton is not None:
         tl.store(out + i, row.to(tl.int32), mask=live)
 
 
+GATE_DTYPES = (torch.int32, torch.int64, torch.int64, torch.int64, torch.int64)
+"""Per-entry scratch of the gates: status, victim and the plan (src_rank, src_slot, dst_row)."""
+
+
 class FusedGates:
     """The gates of one TP group's :class:`ulacache.buffer.LocalBuffer` (PB-LRU policy)."""
 
     BLOCK, SUB = fa.FusedAccess.BLOCK, fa.FusedAccess.SUB
 
-    def __init__(self, buffer, gpu_slots: int, rank: int, size: int) -> None:
+    def __init__(self, buffer, gpu_slots: int, rank: int, size: int, capacity: int) -> None:
         if fa.triton is None:
             raise RuntimeError("the fused TP gates need Triton (pip install triton)")
         self.b, self.G, self.rank, self.P = buffer, gpu_slots, rank, size
         p = buffer.policy
         self.nb, self.hy = p.n_buckets, p.hyper
         self.w1, self.s1, self.h1 = p.n_words + 16, p.n_super + 1, p.n_hyper + 1
-        self._scratch = fa.Scratch(buffer.device, [torch.int32] + [torch.int64] * 4,
-                                   self.BLOCK)
+        # per group (the plan's views live until this group's layers have loaded), allocated
+        # once for ``capacity`` entries (config call_capacity)
+        self._scratch = fa.Scratch(buffer.device, GATE_DTYPES, self.BLOCK, capacity)
 
     def scratch(self, n: int) -> tuple[torch.Tensor, ...]:
         """(status int32 [n], victim int64 [n], plan: src_rank, src_slot, dst_row int64 [n],

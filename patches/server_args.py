@@ -67,7 +67,9 @@ _ULACACHE_CONFIG_HELP = (
     "UlaCache settings as a JSON object, read only with --kv-backend ulacache; keys "
     "(ulacache.config.SGLangOptions): mode (dp|tp, default dp), cpu_ratio (CPU slots per GPU "
     "slot, 4), n_buckets (PB-LRU recent buckets, 64), policy (pblru|lru), validate (host "
-    "checks every step, false), access_path (auto|torch|fused, auto: fused on CUDA); mode tp "
+    "checks every step, false), access_path (auto|torch|fused, auto: fused on CUDA), "
+    "call_entries (entries per kernel call, its scratch allocated once; default GPU pool + "
+    "buffer + 8192: prefill page tables run in pieces of it); mode tp "
     "adds buffer_slots and shard_indexer. Example: "
     '\'{"mode": "dp", "cpu_ratio": 4}\'.'
 )

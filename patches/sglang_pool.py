@@ -124,7 +124,7 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
                              cpu_slots=(ratio - 1) * size, page_size=page_size,
                              max_requests=max(1, max_running_requests or 1),
                              n_buckets=opts.n_buckets, policy=opts.policy, validate=opts.validate,
-                             access_path=opts.access_path)
+                             access_path=opts.access_path, call_entries=opts.call_entries)
         P, rb = page_size, row.row_bytes
         storage = [big.view(torch.uint8).view(big.shape[0], big.shape[1], rb)[:, P: P + size + 1]
                    for big in self._group_buffers]
@@ -186,27 +186,43 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
         ``skip_topk``), so they only translate; a row that is not GPU-resident there means
         the anchor did not run this round: :class:`StaleSelectionError` with validate on,
         ``-1`` (never another token's row) with it off.
+
+        The table (``T x top-k`` entries: 2^24 for an 8K chunk at top-k 2048) is taken in
+        pieces of the core's ``call_capacity`` entries, in one round, so neither the kernels'
+        scratch nor this method's temporaries grow with it (validate on: the core checks the
+        whole table first, then runs the same pieces).
         """
         gi = self._group_index(layer_id)
-        g = self.core.groups[gi]
-        flat = page_table.reshape(1, -1).to(torch.int64)
-        sink = (flat >= 0) & (flat < self.page_size)
-        addrs = torch.where(sink, -1, flat)
-        if layer_id - self.start_layer == g.layers[0]:
-            slots = self.core.access(gi, addrs).to(torch.int64)
+        anchor = layer_id - self.start_layer == self.core.groups[gi].layers[0]
+        flat = page_table.reshape(-1)
+        piece = flat.numel() if self.core.validate else self.core.config.call_capacity
+        out = torch.empty_like(flat)
+        for src, dst in zip(flat.split(piece), out.split(piece)):
+            src = src.view(1, -1).to(torch.int64)
+            sink = (src >= 0) & (src < self.page_size)
+            slots = self._prefill_slots(gi, layer_id, anchor, torch.where(sink, -1, src))
+            dst.copy_(torch.where(slots >= 0, slots + self.page_size,
+                                  torch.where(sink, 0, -1)).view(-1))
+        if anchor:
             self._prefill_round[gi] = self.core.round_serial
-        else:
-            slots = self.core.translate(gi, addrs).to(torch.int64)
-            if self.core.validate and not capturing(self.core.device):
-                live = addrs >= 0
-                if self._prefill_round[gi] != self.core.round_serial or \
-                        bool((live & (slots < 0)).any()):
-                    raise StaleSelectionError(
-                        f"layer {layer_id} shares selection group {gi}, whose anchor layer "
-                        f"{g.layers[0] + self.start_layer} did not make these rows resident "
-                        "in this round")
-        rows = torch.where(slots >= 0, slots + self.page_size, torch.where(sink, 0, -1))
-        return rows.view(page_table.shape).to(page_table.dtype)
+        return out.view(page_table.shape)
+
+    def _prefill_slots(self, gi: int, layer_id: int, anchor: bool, addrs: torch.Tensor
+                       ) -> torch.Tensor:
+        """Core rows (``int64 [1, m]``, ``-1``: none) of one piece of a prefill table: the
+        anchor's access, a shared layer's translation (checked with validate on)."""
+        if anchor:
+            return self.core.access(gi, addrs).to(torch.int64)
+        slots = self.core.translate(gi, addrs).to(torch.int64)
+        if self.core.validate and not capturing(self.core.device):
+            g = self.core.groups[gi]
+            if self._prefill_round[gi] != self.core.round_serial or \
+                    bool(((addrs >= 0) & (slots < 0)).any()):
+                raise StaleSelectionError(
+                    f"layer {layer_id} shares selection group {gi}, whose anchor layer "
+                    f"{g.layers[0] + self.start_layer} did not make these rows resident "
+                    "in this round")
+        return slots
 
     def translate_loc_to_hisparse_device(self, compressed_indices: torch.Tensor) -> torch.Tensor:
         """SGLang's name (``dsa_backend.forward_extend``) for :meth:`prefill_rows` of the layer

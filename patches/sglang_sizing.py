@@ -103,7 +103,8 @@ def pool_configurator_init_around(original_fn, self, kvc, *args, **kwargs):
     groups = pool_layer_groups(kvc)
     per_token, fixed = table_bytes_per_slot(
         len(groups), ratio=opts.host_to_device_ratio, page_size=page, n_buckets=opts.n_buckets,
-        policy=opts.policy, tp_size=P, buffer_slots=B, layers=layers)
+        policy=opts.policy, tp_size=P, buffer_slots=B, layers=layers,
+        call_entries=opts.call_entries)  # the tables and the per-call scratch
     top_k = getattr(getattr(kvc.model_config, "hf_text_config", None), "index_topk", None)
     outputs = coordinator_output_bytes(len(groups), request_slots(kvc),
                                        int(top_k or tps.DEFAULT_TOP_K), tps.draft_tokens())

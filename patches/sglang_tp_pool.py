@@ -110,7 +110,7 @@ class UlaCacheTPDSATokenToKVPool(UlaCacheDSATokenToKVPool):
                              cpu_slots=(ratio - 1) * G, page_size=page_size,
                              max_requests=max(1, max_running_requests or 1),
                              n_buckets=opts.n_buckets, policy=opts.policy, validate=opts.validate,
-                             access_path=opts.access_path,
+                             access_path=opts.access_path, call_entries=opts.call_entries,
                              tp_size=P, buffer_slots=B, shard_indexer=opts.shard_indexer)
         layer_ids = [[x - self.start_layer for x in g] for g in self.ula_groups]
         self.core = TPAddressSpace(cfg, self.ula_peers, n_logical=size * ratio + page_size,
@@ -152,36 +152,25 @@ class UlaCacheTPDSATokenToKVPool(UlaCacheDSATokenToKVPool):
         rows = self.core.translate(gi, torch.where(ok, flat, -1)).to(torch.int64)
         return torch.where(rows >= 0, rows + self.page_size, 0).view(loc.shape)
 
-    def prefill_rows(self, layer_id: int, page_table: torch.Tensor) -> torch.Tensor:
-        """Prefill page table of one layer (logical addresses, ``-1`` padded) -> its rows in
-        ``kv_buffer[layer_id]``; ``-1`` stays ``-1``, the sink page stays row 0.
-
-        Collective on the group's anchor (first) layer: the plan (own promotions, one
-        all-gather of slot tables, buffer claims for peers' rows). Every layer of the group
-        then copies its own bytes of the planned peer rows (``load``) and translates. A shared
-        layer whose anchor did not run this round raises :class:`StaleSelectionError` with
-        validate on (and ``load`` refuses a group with no plan this round in any case).
-        """
-        gi = self._group_index(layer_id)
+    def _prefill_slots(self, gi: int, layer_id: int, anchor: bool, addrs: torch.Tensor
+                       ) -> torch.Tensor:
+        """One piece of a prefill table (:meth:`prefill_rows` of the DP pool, which takes the
+        table in pieces of ``call_capacity`` entries). Collective on the group's anchor
+        (first) layer: the plan (own promotions, one all-gather of slot tables, buffer claims
+        for peers' rows) and the copy of every layer's bytes of the planned peer rows
+        (``access``; the rows fetched are older than this batch, whose own peer rows are
+        buffer hits written by each rank, so no later layer's write is overtaken). A shared
+        layer only translates; one whose anchor did not run this round raises
+        :class:`StaleSelectionError` with validate on."""
+        if anchor:
+            return self.core.access(gi, addrs).to(torch.int64)
         g = self.core.groups[gi]
-        local = layer_id - self.start_layer
-        flat = page_table.reshape(1, -1).to(torch.int64)
-        sink = (flat >= 0) & (flat < self.page_size)
-        addrs = torch.where(sink, -1, flat)
-        if local == g.layers[0]:
-            rows = self.core.plan(gi, addrs).to(torch.int64)
-            self._prefill_round[gi] = self.core.round_serial
-            self.core.load(local)
-        else:
-            if self.core.validate and not capturing(self.core.device) and \
-                    self._prefill_round[gi] != self.core.round_serial:
-                raise StaleSelectionError(
-                    f"layer {layer_id} shares selection group {gi}, whose anchor layer "
-                    f"{g.layers[0] + self.start_layer} did not plan these rows in this round")
-            self.core.load(local)
-            rows = self.core.translate(gi, addrs).to(torch.int64)
-        out = torch.where(rows >= 0, rows + self.page_size, torch.where(sink, 0, -1))
-        return out.view(page_table.shape).to(page_table.dtype)
+        if self.core.validate and not capturing(self.core.device) and \
+                self._prefill_round[gi] != self.core.round_serial:
+            raise StaleSelectionError(
+                f"layer {layer_id} shares selection group {gi}, whose anchor layer "
+                f"{g.layers[0] + self.start_layer} did not plan these rows in this round")
+        return self.core.translate(gi, addrs).to(torch.int64)
 
     def close_peers(self) -> None:
         """Release this rank's shared tensors (tests and shutdown; peers' mappings stay valid

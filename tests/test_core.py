@@ -438,3 +438,35 @@ def test_prometheus_text_reports_counters_and_occupancy():
     assert "# TYPE ulacache_spills_total counter" in text
     assert "ulacache_reserved_tokens 40.0" in text
     assert 'ulacache_place_overflow_total{group="0"} 0.0' in text
+
+
+def test_a_refused_chunked_call_changes_nothing():
+    """Calls over ``max_call`` entries run in chunks; with validate on the whole call is
+    checked first, so a bad entry in a later chunk refuses the call before any chunk ran."""
+    from ulacache.group import SelectionGroup
+    from ulacache.kernels.fused_access import equivalence_state
+
+    g = SelectionGroup([0], 400, 200, 400, 16, "cpu", "pblru", 4, True, max_call=128)
+    for part in (torch.arange(1, 151), torch.arange(151, 300)):  # 2 chunks each; spills
+        g.place(part)
+        g.policy.advance()
+    g.check_integrity()
+    before = {k: v.clone() for k, v in equivalence_state(g).items()}
+    cases = [
+        (g.access, torch.cat([torch.arange(1, 40), torch.tensor([350])]).repeat(4).view(1, -1),
+         AddressError),  # a dead address in every chunk but the first... and the first
+        (g.access, torch.cat([torch.arange(1, 200), torch.tensor([399])]).view(1, -1),
+         AddressError),  # a dead address in the second chunk only
+        (g.release, torch.cat([torch.arange(1, 150), torch.tensor([5])]), AddressError),
+        (g.place, torch.cat([torch.arange(300, 399), torch.arange(300, 340)]), AddressError),
+        (g.access, torch.arange(1, 260).view(1, -1), CapacityExhausted),  # > 200 GPU slots
+    ]
+    for call, addrs, error in cases:
+        with pytest.raises(error):
+            call(addrs)
+        after = equivalence_state(g)
+        for k in before:
+            assert torch.equal(before[k], after[k]), (call.__name__, k)
+    g.release(torch.arange(1, 300))  # chunked release of everything
+    assert int(g.policy.used_count()) == 0
+    g.check_integrity()

@@ -24,7 +24,7 @@ from hypothesis.stateful import (  # noqa: E402
 )
 
 from tests.fused_helpers import DeviceOps, TwinDriver, assert_same, make_twins  # noqa: E402
-from ulacache.errors import AddressError, CapacityExhausted, ConfigError  # noqa: E402
+from ulacache.errors import AddressError, CapacityExhausted, ConfigError, ShapeError  # noqa: E402
 from ulacache.group import COUNTERS, SelectionGroup  # noqa: E402
 from ulacache.kernels import fused_access  # noqa: E402
 from ulacache.tools.traces import load_trace  # noqa: E402
@@ -243,7 +243,7 @@ def test_one_access_is_four_launches_and_nothing_else(shape):
     fused.policy.advance()
     addrs = torch.randint(0, 1500, shape)
     out = torch.empty(shape, dtype=torch.int32)
-    fused.access(addrs, out)  # first call allocates the scratch
+    fused.access(addrs, out)
     fused.policy.advance()
     before = fused_access.launch_count()
     with DeviceOps() as mode:
@@ -255,19 +255,37 @@ def test_one_access_is_four_launches_and_nothing_else(shape):
     assert fused_access.launch_count() - before == 4
 
 
-def test_scratch_is_bounded_by_the_largest_call():
-    """Call sizes vary (prefill page tables differ per request): scratch grows to the largest
-    call (power-of-two capacity) and smaller calls use views of it, with identical results."""
-    ref, fused = make_twins(1, 600, 64, 600, 16, 4)
+def test_scratch_is_allocated_once_and_larger_calls_run_in_chunks():
+    """The fused scratch is allocated at construction for ``max_call`` entries and never
+    replaced (a captured decode graph keeps valid pointers after a larger eager prefill);
+    place / access / release calls larger than it run in chunks in the same round, on both
+    paths alike, and every selected row is resident with its own bytes afterwards."""
+    ref, fused = make_twins(1, 900, 160, 900, 16, 4, max_call=128)
+    scratch = fused.fused._scratch
+    assert scratch.cap == 128 and fused.fused_release._scratch is scratch
+    ptrs = [t.data_ptr() for t in scratch.tensors]
     d = TwinDriver(ref, fused, 4)
-    for _ in range(4):
+    for n in (300, 60, 250):  # placements over the chunk size (and below it)
         d.advance()
-        d.place(60, hostile=False)
-    for bs, k in [(1, 5), (3, 100), (1, 7), (2, 60)]:
+        d.place(n, hostile=False)
+    for bs, k in [(1, 5), (3, 100), (1, 7), (2, 150), (1, 129)]:
         d.advance()
         d.access(bs, k, hostile=False)
-    assert fused.fused._scratch.cap == 512
-    assert all(t.numel() in (512, 512 // fused.fused.BLOCK) for t in fused.fused._scratch.tensors)
+    d.advance()
+    d.release(200, hostile=True)
+    assert [t.data_ptr() for t in scratch.tensors] == ptrs  # never replaced
+    assert all(t.numel() in (128, 1) for t in scratch.tensors)
+    # a chunked access serves every selection from a resident row holding its bytes
+    live = torch.tensor(sorted(d.live))
+    addrs = live[torch.randperm(live.numel(), generator=torch.Generator().manual_seed(1))
+                 [:140]].view(1, -1)
+    d.advance()
+    for g, rows in zip((ref, fused), d.both(lambda g, a: g.access(a), addrs)):
+        assert (rows >= 0).all()
+        assert torch.equal(g.pools.gpu[0, rows.view(-1).long()], g.read(0, addrs.view(-1)))
+        g.check_integrity()
+    with pytest.raises(ShapeError, match="exceeds its scratch"):
+        scratch.get(129)
 
 
 def test_translate_kernel_matches_the_group_translate():

@@ -33,7 +33,7 @@ class Harness:
     """Plays SGLang's side: req_to_token bookkeeping, KV writes, top-k positions."""
 
     def __init__(self, shared: bool, n_slots: int = 512, cpu_ratio: int = 3, max_reqs: int = 4,
-                 validate: bool = True):
+                 validate: bool = True, **options):
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
         from ulacache.config import SGLangOptions
@@ -43,7 +43,7 @@ class Harness:
             UlaCacheTokenToKVPoolAllocator,
         )
 
-        opts = SGLangOptions(cpu_ratio=cpu_ratio, n_buckets=4, validate=validate)
+        opts = SGLangOptions(cpu_ratio=cpu_ratio, n_buckets=4, validate=validate, **options)
         ratio = opts.host_to_device_ratio
         self.rtp = ReqToTokenPool(size=max_reqs, max_context_len=4096, device="cpu",
                                   enable_memory_saver=False)
@@ -449,3 +449,34 @@ def test_validate_survives_the_graph_runners_warmup_batch():
         h.coord.swap_in_selected_pages(torch.tensor([1]), torch.tensor([200]), bad, 0)
     h.check()
     h.decode_step([1])
+
+
+@pytest.mark.parametrize("validate", [False, True], ids=["production", "validate"])
+@pytest.mark.parametrize("path", ["torch", "fused"])
+def test_prefill_tables_larger_than_a_call_run_in_pieces(path, validate):
+    """A prefill page table of T x top-k entries (2^24 at an 8K chunk on H200) is taken in
+    pieces of call_entries, in one round: every row served holds the bytes written for its
+    token (check_rows), on both paths, and the fused scratch is the one allocated at
+    construction, never replaced, so tensors a captured decode graph holds (the scratch and
+    the coordinator's output rows) keep their addresses across a larger eager prefill."""
+    if path == "fused":
+        pytest.importorskip("triton")
+    h = Harness(True, validate=validate, access_path=path, call_entries=256)
+    g = h.pool.core.groups[0]
+    assert g.max_call == 256
+    h.prefill(1, 300, chunk=150)  # 150 x 32 = 4800 entries per layer: 19 pieces
+    h.coord.collect_ready_reqs()
+    h.decode_step([1])  # the shape a decode graph captures
+    held = [t.data_ptr() for t in h.coord._rows_out]
+    if path == "fused":
+        held += [t.data_ptr() for t in g.fused._scratch.tensors]
+        assert all(gr.fused._scratch is g.fused._scratch for gr in h.pool.core.groups)
+    h.prefill(2, 420, chunk=210)  # a larger eager prefill
+    h.coord.collect_ready_reqs()
+    h.decode_step([1, 2])
+    now = [t.data_ptr() for t in h.coord._rows_out]
+    if path == "fused":
+        now += [t.data_ptr() for t in g.fused._scratch.tensors]
+    assert now == held
+    h.finish(1, "finish")
+    h.finish(2, "retract")

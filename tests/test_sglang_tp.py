@@ -50,7 +50,7 @@ class TPHarness:
     classification of every row it checks: own / this round's copy / other buffered copy."""
 
     def __init__(self, shared: bool, validate: bool, rank: int, max_reqs: int = 4,
-                 buffer_slots: int = 400):
+                 buffer_slots: int = 400, **options):
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
         from ulacache.config import SGLangOptions
@@ -61,7 +61,7 @@ class TPHarness:
         )
 
         opts = SGLangOptions(mode="tp", cpu_ratio=3, n_buckets=4, validate=validate,
-                             buffer_slots=buffer_slots, shard_indexer=True)
+                             buffer_slots=buffer_slots, shard_indexer=True, **options)
         ratio = opts.host_to_device_ratio
         self.rank = rank
         self.rtp = ReqToTokenPool(size=max_reqs, max_context_len=4096, device="cpu",
@@ -362,7 +362,29 @@ def scenario_topk(rank: int) -> dict:
             "passthrough": passthrough, "calls": calls}
 
 
-SCENARIOS = {"perlayer": scenario_perlayer, "shared": scenario_shared,
+def scenario_pieces(rank: int) -> dict:
+    """Prefill page tables of 160 x 32 entries taken in pieces of call_entries 600 (one
+    plan + the group's loads per piece, in one round), shared layers only translating;
+    production mode; every row checked against the bytes written for its token."""
+    h = TPHarness(shared=True, validate=False, rank=rank, buffer_slots=270, call_entries=600)
+    for idx, n in ((1, 300), (2, 420), (3, 250)):  # 485 peers' rows per rank > 270 buffered
+        h.prefill(idx, n, chunk=160)
+        h.check()
+    h.coord.collect_ready_reqs()
+    for _ in range(3):
+        h.decode_step([1, 2, 3])
+    h.check()
+    counters = h.core.counters()
+    for idx in (1, 2, 3):
+        h.finish(idx)
+    h.check()
+    h.close()
+    return {"seen": h.seen, "counters": {k: sum(c[k] for c in counters) for k in
+                                         ("peer_fetches", "buffer_overflow", "peer_missing",
+                                          "access_overflow", "invalid")}}
+
+
+SCENARIOS = {"perlayer": scenario_perlayer, "shared": scenario_shared, "pieces": scenario_pieces,
              "pressure": scenario_pressure, "memory": scenario_memory, "topk": scenario_topk}
 
 
@@ -431,6 +453,14 @@ def test_rows_hold_the_written_bytes_per_layer_groups(ranks):
         for what in ("peer_missing", "buffer_overflow", "access_overflow", "place_overflow"):
             assert c[what] == 0, (rank, what, c)
         assert r["capacity_back"] and r["device_tokens"] > 0
+
+
+def test_prefill_in_pieces_serves_the_written_bytes(ranks):
+    for rank, res in enumerate(ranks):
+        c = res["pieces"]["counters"]
+        assert c["peer_fetches"] > 0, (rank, c)
+        assert c["buffer_overflow"] == c["peer_missing"] == c["access_overflow"] == 0, c
+        assert c["invalid"] == 0, (rank, c)
 
 
 def test_shared_layers_load_their_own_rows(ranks):

@@ -45,22 +45,42 @@ GEOMETRIES = [(64, 5, 4, 4, 1, "pblru"), (1000, 2, 64, 2, 2, "pblru"),
               (777, 4, 4096, 1, 1, "pblru")]
 
 
+def _path(path: str, policy: str = "pblru") -> bool:
+    """Whether ``path`` allocates the fused scratch (skips without Triton; exact LRU has no
+    fused path)."""
+    if path == "fused":
+        if policy != "pblru":
+            pytest.skip("exact LRU has no fused path")
+        pytest.importorskip("triton")
+    return path == "fused"
+
+
+# torch: the reference path allocates no per-call scratch (table_bytes(call_scratch=False));
+# fused: the scratch is allocated once at construction and charged (call_scratch=True)
+PATHS = pytest.mark.parametrize("path", ["torch", "fused"])
+
+
+@PATHS
 @pytest.mark.parametrize(("G", "ratio", "nb", "L", "lpg", "policy"), GEOMETRIES)
-def test_dp_formula_bounds_the_allocated_tables(G, ratio, nb, L, lpg, policy):
+def test_dp_formula_bounds_the_allocated_tables(G, ratio, nb, L, lpg, policy, path):
+    fused = _path(path, policy)
     cfg = UlaCacheConfig(layout="tiny", row_bytes=1, n_layers=L, layers_per_group=lpg,
                          gpu_slots=G, cpu_slots=(ratio - 1) * G, n_buckets=nb, policy=policy,
-                         page_size=PAGE)
+                         page_size=PAGE, access_path=path)
     space = AddressSpace(cfg, n_logical=ratio * G + PAGE)
     rows = [t for g in space.groups for t in (g.pools.gpu, g.pools.cpu)]
     parts = device_table_bytes(space, rows)
     real = sum(parts.values())
     per, fixed = table_bytes_per_slot(cfg.n_groups, ratio=ratio, page_size=PAGE, n_buckets=nb,
-                                      policy=policy)
+                                      policy=policy, call_scratch=fused)
     bound = per * G + fixed
-    assert real <= bound <= real + slack(G, cfg.n_groups, nb, policy), (bound, real, parts)
+    extra = 128 * 28 + 16 if fused else 0  # the scratch's block rounding, bounded from above
+    assert real <= bound <= real + slack(G, cfg.n_groups, nb, policy, extra), (bound, real,
+                                                                              parts)
     # the same function with the sizes as constants gives the same bound (no per-slot part)
     assert table_bytes(cfg.n_groups, n_logical=ratio * G + PAGE, gpu_slots=G,
-                       cpu_slots=(ratio - 1) * G, n_buckets=nb, policy=policy)[1] <= bound
+                       cpu_slots=(ratio - 1) * G, n_buckets=nb, policy=policy,
+                       call_scratch=fused)[1] <= bound
     # every table the formula names was found (a walker that missed the pools' free stacks or
     # the policy would make the bound look loose, not wrong)
     names = {path.rsplit(".", 1)[-1] for path in parts}
@@ -70,13 +90,15 @@ def test_dp_formula_bounds_the_allocated_tables(G, ratio, nb, L, lpg, policy):
 @pytest.mark.parametrize(("P", "N", "ratio", "nb", "L", "lpg", "B"),
                          [(2, 1024, 5, 4, 4, 1, 300), (4, 4096, 3, 64, 4, 2, 5000),
                           (2, 2048, 1, 8, 2, 1, 64)])
-def test_tp_formula_bounds_a_ranks_tables(P, N, ratio, nb, L, lpg, B):
+@PATHS
+def test_tp_formula_bounds_a_ranks_tables(P, N, ratio, nb, L, lpg, B, path):
     """``x`` is the group's global GPU token count ``N``; each rank's own tables are over its
     stripe, its buffers' maps over every global address."""
+    fused = _path(path)
     G = N // P
     cfg = UlaCacheConfig(layout="tiny", row_bytes=1, n_layers=L, layers_per_group=lpg,
                          gpu_slots=G, cpu_slots=(ratio - 1) * G, n_buckets=nb, tp_size=P,
-                         buffer_slots=B, page_size=PAGE)
+                         buffer_slots=B, page_size=PAGE, access_path=path)
 
     def rank(peers):
         space = TPAddressSpace(cfg, peers, n_logical=ratio * N + PAGE)
@@ -84,12 +106,14 @@ def test_tp_formula_bounds_a_ranks_tables(P, N, ratio, nb, L, lpg, B):
         return device_table_bytes(space, rows, skip_attrs=("_peer_layers",))
 
     per, fixed = table_bytes_per_slot(cfg.n_groups, ratio=ratio, page_size=PAGE, n_buckets=nb,
-                                      tp_size=P, buffer_slots=B, layers=L)
+                                      tp_size=P, buffer_slots=B, layers=L,
+                                      call_scratch=fused)
     for parts in run_ranks(P, rank):
         real = sum(parts.values())
         assert {"slot_of", "holder"} <= {p.rsplit(".", 1)[-1] for p in parts}
+        extra = L * P * 8 + (128 * (36 * cfg.n_groups + 32) + 64 if fused else 0)
         assert real <= per * N + fixed <= real + slack(N, 2 * cfg.n_groups, nb, "pblru",
-                                                       extra=L * P * 8), (per, fixed, real)
+                                                       extra=extra), (per, fixed, real)
 
 
 def test_start_up_check_refuses_exactly_past_the_formula(monkeypatch):
@@ -101,6 +125,8 @@ def test_start_up_check_refuses_exactly_past_the_formula(monkeypatch):
                          n_buckets=16)
     n = 4 * 500 + PAGE
     tables = table_bytes(3, n_logical=n, gpu_slots=500, cpu_slots=1500, n_buckets=16)[1]
+    assert tables > table_bytes(3, n_logical=n, gpu_slots=500, cpu_slots=1500, n_buckets=16,
+                                call_scratch=False)[1]  # the fused scratch is charged too
     gpu_pool = 3 * 501 * 8
     meta = torch.device("meta")  # a "device" distinct from the host, so the two are checked apart
     monkeypatch.setattr(space_mod, "free_bytes",
@@ -128,14 +154,19 @@ def test_affine_rounding_is_an_upper_bound():
 
 def test_deepseek_v32_figures():
     """The figures docs/sglang.md quotes: DeepSeek-V3.2 (61 layers, 61 selection groups),
-    cpu_ratio 4 (ratio 5), 64 buckets: 8,643 B of tables per GPU token in DP mode, against
-    SGLang's 80,276 B cell (656 B latent + 132 B index-K x 5, per layer); TP8 with the buffer
-    of 64 requests (64 x 2049 rows): 2,341 B per global token per rank."""
-    assert table_bytes_per_slot(61, ratio=5, page_size=64) == (8643, 2802798)
-    assert table_bytes_per_slot(61, ratio=5, page_size=64, tp_size=8,
-                                buffer_slots=64 * 2049, layers=61)[0] == 2341
-    assert table_bytes_per_slot(78, ratio=5, page_size=64)[0] == 11041  # GLM-5, 78 groups
-    assert table_bytes_per_slot(21, ratio=5, page_size=64)[0] == 3002  # GLM-5.2, 21 groups
+    cpu_ratio 4 (ratio 5), 64 buckets: 8,671 B of tables and fused-call scratch per GPU token
+    in DP mode (8,643 B of tables alone), against SGLang's 80,276 B cell (656 B latent + 132 B
+    index-K x 5, per layer); TP8 with the buffer of 64 requests (64 x 2049 rows): 2,620 B per
+    global token per rank (2,341 B of tables; the gates' scratch of every group is the rest,
+    and 311 MB of fixed scratch for the buffer's share of a call)."""
+    assert table_bytes_per_slot(61, ratio=5, page_size=64) == (8671, 3035990)
+    assert table_bytes_per_slot(61, ratio=5, page_size=64, call_scratch=False) == \
+        (8643, 2802798)
+    tp8 = dict(tp_size=8, buffer_slots=64 * 2049, layers=61)
+    assert table_bytes_per_slot(61, ratio=5, page_size=64, **tp8) == (2620, 612768669)
+    assert table_bytes_per_slot(61, ratio=5, page_size=64, call_scratch=False, **tp8)[0] == 2341
+    assert table_bytes_per_slot(78, ratio=5, page_size=64)[0] == 11069  # GLM-5, 78 groups
+    assert table_bytes_per_slot(21, ratio=5, page_size=64)[0] == 3030  # GLM-5.2, 21 groups
 
 
 def test_bad_geometry_is_refused():

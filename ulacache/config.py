@@ -19,6 +19,9 @@ from .pblru import POLICIES
 
 # Row ids handed to attention are int32 and SGLang adds a page of offset: keep them in range.
 MAX_GPU_SLOTS = 2**31 - 2**17
+CALL_FLOOR = 8192
+"""Entries a call can always take beyond the pools' size (:attr:`UlaCacheConfig.call_capacity`):
+small pools still serve calls with padding and duplicates in one piece."""
 MAX_CPU_SLOTS = 2**40
 
 AccessPath = Literal["auto", "torch", "fused"]  # ulacache.group.ACCESS_PATHS
@@ -137,6 +140,9 @@ class UlaCacheConfig(_Checked, frozen=True, forbid_unknown_fields=True, kw_only=
     buffer_slots: Annotated[int, Meta(ge=0, le=MAX_GPU_SLOTS)] = 0  # TP: local buffer rows
     shard_indexer: bool = True  # TP: indexer keys striped like the latent (else replicated)
     access_path: AccessPath = "auto"  # fused Triton kernels on CUDA, torch reference elsewhere
+    # entries one kernel call takes (its scratch is allocated once for this many); larger calls
+    # (prefill page tables) run in chunks of this size in one round. null: call_capacity's rule
+    call_entries: Optional[Annotated[int, Meta(ge=128, le=1 << 31)]] = None
 
     def _check(self) -> None:
         if self.tp_size > 1 and self.buffer_slots < 1:
@@ -155,6 +161,17 @@ class UlaCacheConfig(_Checked, frozen=True, forbid_unknown_fields=True, kw_only=
         if self.n_layers % self.layers_per_group:
             raise ConfigError(f"ulacache config key 'layers_per_group' ({self.layers_per_group}) "
                               f"must divide 'n_layers' ({self.n_layers})")
+
+    @property
+    def call_capacity(self) -> int:
+        """Entries (addresses) one access / place / release call handles at once, and the size
+        its scratch is allocated with, once, at construction: ``call_entries``, else
+        ``gpu_slots + buffer_slots + CALL_FLOOR``. A decode step's selections are at most
+        ``gpu_slots`` (DP: the engine refuses a GPU pool smaller than one step's selections)
+        or ``buffer_slots`` (TP: every selection may be a peer's), so a step is always one
+        call; a prefill page table of ``T x top-k`` entries runs as several calls in one round.
+        """
+        return self.call_entries or self.gpu_slots + self.buffer_slots + CALL_FLOOR
 
     @property
     def row_layout(self) -> RowLayout:
@@ -208,6 +225,8 @@ class SGLangOptions(_Checked, frozen=True, forbid_unknown_fields=True, kw_only=T
     buffer_slots: Optional[Annotated[int, Meta(ge=1, le=MAX_GPU_SLOTS)]] = None  # TP only
     shard_indexer: bool = False  # TP only: exact sharded top-k merge (index-K replicated)
     access_path: AccessPath = "auto"  # "torch" forces the reference path (debugging)
+    # entries per kernel call (UlaCacheConfig.call_entries; null: GPU pool + buffer + 8192)
+    call_entries: Optional[Annotated[int, Meta(ge=128, le=1 << 31)]] = None
 
     def _check(self) -> None:
         if self.mode != "tp":

@@ -30,6 +30,7 @@ import torch
 
 from ulacache.kernels.dispatch import gather_rows, swap_rows
 
+from .config import CALL_FLOOR
 from .errors import AddressError, CapacityExhausted, ConfigError, ShapeError
 from .pblru import PBLRU, PBLRUArena, ReplacementPolicy, make_policy
 from .pools import TierPools, allocate, resolve_device
@@ -161,6 +162,13 @@ class SelectionGroup:
         :func:`new_claim_table` (clean between calls, so every group of an address space can
         use one: 8 B per logical address instead of 8 B per address per group).
     access_path : one of :data:`ACCESS_PATHS`.
+    max_call : entries one access / place / release handles at once (default ``gpu_slots +``
+        :data:`~ulacache.config.CALL_FLOOR`); larger calls run in chunks of this size in the
+        same round, with validate's checks made on the whole call first. The fused path's
+        scratch is allocated for it once, at construction.
+    scratch : optional shared fused-path scratch (``kernels.fused_access.Scratch`` of
+        ``SCRATCH_DTYPES``, >= ``max_call`` entries): the groups of an address space run one
+        at a time on one stream, so one serves them all.
     """
 
     def __init__(self, layers: list[int], n_logical: int, gpu_slots: int, cpu_slots: int,
@@ -168,8 +176,12 @@ class SelectionGroup:
                  policy: str | ReplacementPolicy = "pblru",
                  n_buckets: int = 64, validate: bool = True,
                  gpu_storage: torch.Tensor | None = None, counters: torch.Tensor | None = None,
-                 claim: torch.Tensor | None = None, access_path: str = "auto"):
+                 claim: torch.Tensor | None = None, access_path: str = "auto",
+                 max_call: int | None = None, scratch=None):
         self.device = resolve_device(device)
+        self.max_call = int(max_call) if max_call is not None else gpu_slots + CALL_FLOOR
+        if self.max_call < 1:
+            raise ShapeError(f"max_call must be >= 1, got {max_call}")
         self.layers = list(layers)
         self.layer_index = {layer: i for i, layer in enumerate(self.layers)}
         self.n_logical, self.gpu_slots, self.cpu_slots = n_logical, gpu_slots, cpu_slots
@@ -202,7 +214,10 @@ class SelectionGroup:
             raise ShapeError(f"counters must be int64 [{len(COUNTERS)}] on {self.device}")
         self.counters = counters
         kernels = fused_kernels(access_path, self.device, self.policy)
-        self.fused = None if kernels is None else kernels.FusedAccess(self)
+        if scratch is not None and scratch.cap < self.max_call:
+            raise ShapeError(f"the shared scratch holds {scratch.cap} entries, max_call is "
+                             f"{self.max_call}")
+        self.fused = None if kernels is None else kernels.FusedAccess(self, scratch)
         self.fused_release = None
         if kernels is not None:
             from ulacache.kernels.fused_release import FusedRelease
@@ -259,6 +274,18 @@ class SelectionGroup:
         already-mapped addresses are skipped (``invalid``); a row with no slot, or whose victim
         finds no CPU slot, is not stored (``place_overflow``).
         """
+        if addrs.numel() > self.max_call:
+            self._index_meta(addrs, "place: addrs")
+            if self._checking():
+                self.check_place(addrs)
+            return torch.cat([self._place_one(c) for c in self._chunks(addrs)])
+        return self._place_one(addrs)
+
+    def _chunks(self, addrs: torch.Tensor) -> list[torch.Tensor]:
+        """``addrs`` flattened into pieces of at most :attr:`max_call` entries."""
+        return list(addrs.reshape(-1).split(self.max_call))
+
+    def _place_one(self, addrs: torch.Tensor) -> torch.Tensor:
         if self.fused is not None:
             self._index_meta(addrs, "place: addrs")
             if self._checking():
@@ -417,6 +444,21 @@ class SelectionGroup:
         """
         self._index_meta(addrs, "access: addrs", dims=2)
         check_out(out, addrs.shape, self.device, "access")
+        if addrs.numel() > self.max_call:  # a prefill page table: chunks, in this round
+            if self._checking():
+                self.check_access(addrs)
+            rows = out if out is not None and out.is_contiguous() else \
+                torch.empty(addrs.shape, dtype=torch.int32, device=self.device)
+            for chunk, dst in zip(self._chunks(addrs), self._chunks(rows)):
+                self._access_one(chunk.view(1, -1), dst.view(1, -1))
+            if out is not None and rows is not out:
+                out.copy_(rows)
+                return out
+            return rows
+        return self._access_one(addrs, out)
+
+    def _access_one(self, addrs: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`access` of at most :attr:`max_call` entries (metadata checked)."""
         if self.fused is not None:
             return self._access_fused(addrs, out)
         flat = addrs.reshape(-1).to(torch.int64)
@@ -527,6 +569,16 @@ class SelectionGroup:
         ``addrs int [n]``; ``-1`` and unmapped in-range entries are skipped (engines free whole
         pages). Validate on: out-of-range entries and duplicates raise :class:`AddressError`;
         off: they are skipped and counted (``invalid``)."""
+        if addrs.numel() > self.max_call:
+            self._index_meta(addrs, "release: addrs")
+            if self._checking():
+                self._release_plan(addrs, check=True)
+            for chunk in self._chunks(addrs):
+                self._release_one(chunk)
+            return
+        self._release_one(addrs)
+
+    def _release_one(self, addrs: torch.Tensor) -> None:
         if self.fused_release is not None:  # three launches, after the same checks
             self._index_meta(addrs, "release: addrs")
             if self._checking():

@@ -10,11 +10,12 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 
+from .config import CALL_FLOOR
 from .errors import ConfigError
 from .group import COUNTERS
 from .pblru import _HYPER, _SUPER, _WORD_BITS, POLICIES
 
-__all__ = ["Affine", "TPTables", "table_bytes", "table_bytes_per_slot",
+__all__ = ["Affine", "TPTables", "table_bytes", "table_bytes_per_slot", "call_scratch_bytes",
            "coordinator_output_bytes"]
 
 
@@ -81,7 +82,8 @@ class TPTables:
 
 def table_bytes(groups: int, *, n_logical: int | Affine, gpu_slots: int | Affine,
                 cpu_slots: int | Affine, n_buckets: int = 64, policy: str = "pblru",
-                tp: TPTables | None = None) -> tuple[int, int]:
+                tp: TPTables | None = None, call_scratch: bool = True,
+                call_entries: int | None = None) -> tuple[int, int]:
     """Device bytes of one rank's ulacache tables, ``(per_slot, fixed)``: a pool of ``x`` slots
     takes at most ``per_slot * x + fixed`` bytes of device memory besides its row pools (the
     GPU pools, engine-owned under SGLang, and the pinned host CPU pools are not counted).
@@ -101,8 +103,12 @@ def table_bytes(groups: int, *, n_logical: int | Affine, gpu_slots: int | Affine
     ``tp`` (per group, :class:`~ulacache.buffer.LocalBuffer`): ``slot_of int32 [N + 1]`` over
     the *global* addresses, ``holder int64 [B + 1]``, a policy over ``B`` slots; per rank: the
     buffers' shared claim table ``int64 [N + 1]``, the gate counters ``int64 [groups, 9]`` and
-    the CUDA peer pointer tables ``int64 [layers, ranks]``. Not counted: per-call scratch that
-    grows with the largest step (fused kernels' ``Scratch``), host mirrors of the counters.
+    the CUDA peer pointer tables ``int64 [layers, ranks]``. The fused path's per-call scratch,
+    allocated once for ``call_capacity = G + B + CALL_FLOOR`` entries (``call_entries`` when
+    given): per address space 28 B an entry plus ``int32`` per-block counts; TP adds this
+    rank's ``int32`` rows of a plan and, per group, the gates' 36 B an entry
+    (:func:`call_scratch_bytes`; ``call_scratch=False`` leaves it out: the torch path).
+    Not counted: host mirrors of the counters.
     """
     n, G, C = Affine.of(n_logical), Affine.of(gpu_slots), Affine.of(cpu_slots)
     group = (8 * (n + 1) + 8 * (G + 1) + 2 * 8 * (C + 1) + 8
@@ -115,12 +121,32 @@ def table_bytes(groups: int, *, n_logical: int | Affine, gpu_slots: int | Affine
         buffer = 4 * (N + 1) + 8 * (B + 1) + _policy_bytes(policy, Affine.of(B), n_buckets)
         total = (total + groups * buffer + 8 * (N + 1) + groups * len(TP_COUNTERS) * 8
                  + tp.layers * tp.ranks * 8)
+    if call_scratch:
+        cap = G + (0 if tp is None else tp.buffer_slots) + CALL_FLOOR \
+            if call_entries is None else Affine.of(call_entries)
+        total = total + call_scratch_bytes(groups, cap, tp is not None)
     return math.ceil(total.per), math.ceil(total.fixed)
+
+
+def call_scratch_bytes(groups: int, capacity: int | Affine, tp: bool) -> Affine:
+    """Device bytes of the fused path's per-call scratch for calls of ``capacity`` entries
+    (``kernels.fused_access.Scratch``, allocated once at construction): the address space's
+    access scratch (local, phys, victim ``int64``, status ``int32``: 28 B an entry) with
+    ``int32`` counts per 128-entry block; TP: this rank's ``int32`` rows of a plan and every
+    group's gate scratch (status ``int32``, victim and the plan's three ``int64``: 36 B an
+    entry, per-block counts). Block rounding bounded from above."""
+    blocks = Affine.of(capacity).ceil_div(128)
+    entries = 128 * blocks
+    total = 28 * entries + 4 * blocks
+    if tp:
+        total = total + 4 * Affine.of(capacity) + groups * (36 * entries + 4 * blocks)
+    return total
 
 
 def table_bytes_per_slot(groups: int, *, ratio: int, page_size: int, n_buckets: int = 64,
                          policy: str = "pblru", tp_size: int = 1, buffer_slots: int = 0,
-                         layers: int = 0) -> tuple[int, int]:
+                         layers: int = 0, call_scratch: bool = True,
+                         call_entries: int | None = None) -> tuple[int, int]:
     """:func:`table_bytes` of the geometry an engine builds from its GPU token count ``x``
     (SGLang's ``max_total_num_tokens``): ``(per_slot, fixed)`` device bytes per rank.
 
@@ -141,7 +167,8 @@ def table_bytes_per_slot(groups: int, *, ratio: int, page_size: int, n_buckets: 
     tp = None if tp_size == 1 else TPTables(n_global, buffer_slots, tp_size, layers)
     return table_bytes(groups, n_logical=n_global.ceil_div(tp_size) if tp else n_global,
                        gpu_slots=x * (1 / P), cpu_slots=x * ((ratio - 1) / P),
-                       n_buckets=n_buckets, policy=policy, tp=tp)
+                       n_buckets=n_buckets, policy=policy, tp=tp, call_scratch=call_scratch,
+                       call_entries=call_entries)
 
 
 def coordinator_output_bytes(groups: int, slots: int, top_k: int, draft_tokens: int) -> int:

@@ -69,16 +69,19 @@ class AddressSpace:
         # PB-LRU state of every group stacked in one arena: a round start is one fused launch
         self.policy_arena = PBLRUArena(len(layer_groups), config.gpu_slots, config.n_buckets,
                                        self.device) if config.policy == "pblru" else None
-        self.groups = [
-            SelectionGroup(layers, n_logical, config.gpu_slots, config.cpu_slots,
-                           config.row_layout.row_bytes, self.device,
-                           self.policy_arena.policies[i] if self.policy_arena else config.policy,
-                           config.n_buckets, config.validate,
-                           None if gpu_storage is None else gpu_storage[i],
-                           counters=self.counter_table[i], claim=claim,
-                           access_path=config.access_path)
-            for i, layers in enumerate(layer_groups)
-        ]
+        self.groups: list[SelectionGroup] = []
+        scratch = None  # the fused path's per-call scratch: the first group's, shared by all
+        for i, layers in enumerate(layer_groups):
+            g = SelectionGroup(layers, n_logical, config.gpu_slots, config.cpu_slots,
+                               config.row_layout.row_bytes, self.device,
+                               self.policy_arena.policies[i] if self.policy_arena
+                               else config.policy, config.n_buckets, config.validate,
+                               None if gpu_storage is None else gpu_storage[i],
+                               counters=self.counter_table[i], claim=claim,
+                               access_path=config.access_path,
+                               max_call=config.call_capacity, scratch=scratch)
+            scratch = g.fused._scratch if g.fused is not None else None
+            self.groups.append(g)
         self.layer_to_group = {layer: gi for gi, g in enumerate(self.groups) for layer in g.layers}
         self.stream = CoreStream(self.device)
         self.health = CounterMonitor(self.counter_table)
@@ -96,7 +99,8 @@ class AddressSpace:
         rb, G, C = c.row_layout.row_bytes, c.gpu_slots, c.cpu_slots
         layers = sum(len(g) for g in layer_groups)
         _, tables = table_bytes(len(layer_groups), n_logical=n, gpu_slots=G, cpu_slots=C,
-                                n_buckets=c.n_buckets, policy=c.policy)
+                                n_buckets=c.n_buckets, policy=c.policy,
+                                call_entries=c.call_entries)
         cpu = torch.device("cpu")
         parts = {  # (device, what) -> bytes
             (self.device, "the GPU pool"): 0 if engine_pools else layers * (G + 1) * rb,

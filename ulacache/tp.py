@@ -197,8 +197,13 @@ class TPAddressSpace:
         if self.groups[0].fused is not None:
             from ulacache.kernels.fused_tp import FusedGates
 
-            self._gates = [FusedGates(b, G, self.rank, self.P) for b in self.buffers]
-        self._own = None  # fused: this rank's rows of a step (grown to the largest step)
+            self._gates = [FusedGates(b, G, self.rank, self.P, config.call_capacity)
+                           for b in self.buffers]
+        # a plan covers at most call_capacity entries (a decode step: one plan; larger calls:
+        # access() in chunks); fused: this rank's rows of a plan, allocated once
+        self.call_capacity = config.call_capacity
+        self._own = torch.empty(self.call_capacity, dtype=torch.int32, device=self.device) \
+            if self._gates is not None else None
         self.tp_health = CounterMonitor(self.tp_counters, TP_COUNTERS, TP_OVERFLOWS, _TP_WHAT,
                                         derive=buffer_used)
         logger.info("ulacache TP rank %d/%d: %d local positions of %d addresses, %d GPU + %d "
@@ -420,31 +425,20 @@ class TPAddressSpace:
         b = self.buffers[group]
         if not isinstance(addrs, torch.Tensor) or addrs.dim() != 2:
             raise ShapeError("plan: addrs must be an int tensor [bs, k]")
+        if addrs.numel() > self.call_capacity:
+            raise ShapeError(f"plan: {addrs.numel()} entries exceed call_capacity "
+                             f"({self.call_capacity}); access() runs larger calls in chunks")
         check_out(out, addrs.shape, self.device, "plan")
         if self._gates is not None and not self.validate:  # production: no torch ops here
+            return self._plan_fused(group, addrs, out)
+        if self.validate:
+            self._check_plan(group, addrs)
+        if self._gates is not None:
             return self._plan_fused(group, addrs, out)
         flat, inrange, mine, lpos = self._split(addrs, "plan: addrs")
         shape = addrs.shape
         theirs = inrange & ~mine
         safe = torch.where(inrange, flat, self.n_logical)
-        if self.validate:
-            def check():
-                if bool(((flat != -1) & ~inrange).any()):
-                    raise AddressError(f"access: addrs out of range [0, {self.n_logical})")
-                g.check_access(lpos.view(shape))
-                hit = b.lookup(safe) >= 0
-                first = b.first(safe, theirs)
-                need = int((first & ~hit).sum())
-                moving = first & hit & ~b.policy.pinned(b.lookup(safe))
-                have = int(b.eligible()) - int(moving.sum())
-                if need > have:
-                    raise CapacityExhausted(
-                        f"access: {need} peers' rows to fetch but only {have} of "
-                        f"{self.buffer_slots} buffer slots are free or evictable this round; "
-                        "buffer_slots must hold a step's distinct peer rows")
-            self._agree(check)
-        if self._gates is not None:
-            return self._plan_fused(group, addrs, out)
         with self.stream.scope():
             # 1. own rows (promotions included), 2. exchange: also the data-ready fence
             own = g.access(lpos.view(shape)).reshape(-1)
@@ -483,16 +477,37 @@ class TPAddressSpace:
             out.copy_(rows)
             return out
 
+    def _check_plan(self, group: int, addrs: torch.Tensor) -> None:
+        """What :meth:`plan` raises with validate on, agreed by every rank before any rank
+        mutates (host-side; collective)."""
+        g, b = self.local.group(group), self.buffers[group]
+        flat, inrange, mine, lpos = self._split(addrs, "plan: addrs")
+        theirs = inrange & ~mine
+        safe = torch.where(inrange, flat, self.n_logical)
+
+        def check():
+            if bool(((flat != -1) & ~inrange).any()):
+                raise AddressError(f"access: addrs out of range [0, {self.n_logical})")
+            g.check_access(lpos.view(addrs.shape))
+            hit = b.lookup(safe) >= 0
+            first = b.first(safe, theirs)
+            need = int((first & ~hit).sum())
+            moving = first & hit & ~b.policy.pinned(b.lookup(safe))
+            have = int(b.eligible()) - int(moving.sum())
+            if need > have:
+                raise CapacityExhausted(
+                    f"access: {need} peers' rows to fetch but only {have} of "
+                    f"{self.buffer_slots} buffer slots are free or evictable this round; "
+                    "buffer_slots must hold a step's distinct peer rows")
+        self._agree(check)
+
     def _plan_fused(self, group: int, addrs: torch.Tensor, out: torch.Tensor | None
                     ) -> torch.Tensor:
         """:meth:`plan` on the fused path (checks done): own access over the global
         addresses (4 launches), gates' claims (1), the all-gather, the gates (3)."""
         g, gates = self.local.group(group), self._gates[group]
         flat = self.local._addrs(addrs, "plan: addrs").reshape(-1).contiguous()
-        n = flat.numel()
-        if self._own is None or self._own.numel() < n:
-            self._own = torch.empty(max(n, 1), dtype=torch.int32, device=self.device)
-        own = self._own[:n]
+        own = self._own[:flat.numel()]
         rows = out if out is not None and out.is_contiguous() else \
             torch.empty(addrs.shape, dtype=torch.int32, device=self.device)
         with self.stream.scope():
@@ -522,10 +537,28 @@ class TPAddressSpace:
 
     def access(self, group: int, addrs: torch.Tensor, out: torch.Tensor | None = None
                ) -> torch.Tensor:
-        """:meth:`plan` then :meth:`load` for every layer of the group (tools and tests)."""
-        rows = self.plan(group, addrs, out)
-        for layer in self.groups[group].layers:
-            self.load(layer)
+        """:meth:`plan` then :meth:`load` for every layer of the group (prefill, tools and
+        tests), in chunks of at most ``call_capacity`` entries when ``addrs`` is larger (one
+        round: rows a chunk made resident are pinned while the next chunk runs). Collective:
+        every rank passes the same ``addrs``, so every rank runs the same chunks."""
+        if addrs.numel() <= self.call_capacity:
+            rows = self.plan(group, addrs, out)
+            for layer in self.groups[group].layers:
+                self.load(layer)
+            return rows
+        if not isinstance(addrs, torch.Tensor) or addrs.dim() != 2:
+            raise ShapeError("access: addrs must be an int tensor [bs, k]")
+        check_out(out, addrs.shape, self.device, "access")
+        if self.validate:  # the whole call first: a bad entry in a later chunk changes nothing
+            self._check_plan(group, addrs)
+        rows = out if out is not None and out.is_contiguous() else \
+            torch.empty(addrs.shape, dtype=torch.int32, device=self.device)
+        for chunk, dst in zip(addrs.reshape(-1).split(self.call_capacity),
+                              rows.view(-1).split(self.call_capacity)):
+            self.access(group, chunk.view(1, -1), dst.view(1, -1))
+        if out is not None and rows is not out:
+            out.copy_(rows)
+            return out
         return rows
 
     def translate(self, group: int, addrs: torch.Tensor) -> torch.Tensor:

@@ -426,7 +426,8 @@ def uncharged(inp: Inputs, system: str, ratio: int | None, tokens: int) -> dict 
     (``patches/sglang_allocator.py``): the logical page list ``int64 [(1 + c) G / page]``, and
     nothing per request slot: the coordinator's output rows are charged by the sizing hook
     (:func:`coordinator_outputs`; ``request_slots`` reports the ``running + 1`` it charges);
-    the fused path's per-call scratch, which grows with the largest step, is not counted.
+    the fused path's per-call scratch is charged with the tables (allocated once, sized by
+    ``call_capacity``).
     ``tokens``: SGLang's ``max_total_num_tokens`` (G; ulacache TP: N)."""
     if system.startswith("sglang"):
         return None
