@@ -202,7 +202,12 @@ class UlaCacheTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
             return None
         self.core.begin_round()
         try:
-            self.core.check_room(locs.numel())  # prefill runs eagerly: a host check is fine here
+            # After begin_round every GPU slot is free or evictable and prefill_fits held the
+            # batch to the GPU pool, the logical allocator to the unique capacity: room is
+            # certain, so only validate pays the host sync (it would stall the scheduler's
+            # CPU side of the next batch under overlap scheduling)
+            if self.core.validate:
+                self.core.check_room(locs.numel())
             self.core.place(locs)
         except CapacityExhausted as exc:
             logger.warning("ulacache: prefill batch does not fit this round's GPU room (%s)", exc)
@@ -234,6 +239,24 @@ class UlaCacheTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
             return
         self.core.release(self._page_addresses(free_index))
         self.logical_attn_allocator.free(free_index)
+
+    def free_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
+        """SGLang's release path for a finished or retracted request (``release_kv_cache`` ->
+        ``free_kv_row_segments``, ``mem_cache/common.py:152``; ``allocator/base.py:284``):
+        ``kv_row[start_pos:]`` of one request, ``start_pos`` page-aligned and each page's
+        tokens contiguous, so ``free_index[::page_size]`` names every page once. Neither side
+        needs :func:`torch.unique` (a host sync on the scheduler's path, as :meth:`free`):
+        the core releases those pages' addresses and SGLang's paged allocator its
+        ``free_segment`` (``allocator/paged.py:340``, fixed-shape)."""
+        if free_index.numel() == 0:
+            return
+        P = self.page_size
+        if start_pos % P:
+            raise ValueError(f"segment start {start_pos} is not page-aligned (page {P})")
+        pages = free_index[::P].to(torch.int64) // P
+        self.core.release((pages.view(-1, 1) * P +
+                           torch.arange(P, device=pages.device)).reshape(-1))
+        self.logical_attn_allocator.free_segment(free_index, start_pos=start_pos)
 
     def clear(self) -> None:
         self.logical_attn_allocator.clear()

@@ -480,3 +480,38 @@ def test_prefill_tables_larger_than_a_call_run_in_pieces(path, validate):
     assert now == held
     h.finish(1, "finish")
     h.finish(2, "retract")
+
+
+def test_finishing_through_free_segment_is_sync_free_and_releases_every_page():
+    """SGLang 0.5.23 frees a finished request's row with ``free_segments`` (page-aligned,
+    contiguous per page: ``mem_cache/common.py:152``). ulacache's ``free_segment`` releases
+    the same pages as ``free`` without ``torch.unique`` (a host sync on the scheduler's path),
+    and a production-mode prefill makes no host room check."""
+    import ulacache.kernels.reference as ref
+
+    from .test_graph_safety import SYNCING, OpLog
+
+    h = Harness(False, validate=False)
+    h.prefill(1, 300, chunk=300)
+    h.prefill(2, 130, chunk=130)
+    h.coord.collect_ready_reqs()
+    h.decode_step([1, 2])
+    h.check()
+    before_free = h.alloc.available_size()
+    ref_compact, ref.COMPACT_ON_CPU = ref.COMPACT_ON_CPU, False
+    try:
+        log = OpLog()
+        n = h.lens.pop(1)
+        h.coord.request_finished(h.reqs.pop(1))
+        with log:
+            h.alloc.free_segment(h.rtp.req_to_token[1, :n].long(), start_pos=0)
+    finally:
+        ref.COMPACT_ON_CPU = ref_compact
+    assert not {op for op, _ in log.ops} & SYNCING, sorted({op for op, _ in log.ops} & SYNCING)
+    assert h.alloc.available_size() == before_free + -(-n // P) * P
+    h.check()  # every row of request 1 released in both tiers (liveness from SGLang's pages)
+    h.decode_step([2])
+    with pytest.raises(ValueError, match="page-aligned"):
+        h.alloc.free_segment(h.rtp.req_to_token[2, 1:5].long(), start_pos=1)
+    h.finish(2, "finish")
+    assert h.alloc.available_size() == h.alloc.size

@@ -8,8 +8,8 @@ allocator) at points where every placed row has been written:
   coordinator places the step's new tokens (``map_last_loc_to_buffer``): the previous step's
   forward wrote every row placed so far. In TP mode the check is collective (it reads every
   buffered copy back from its owner) and every rank reaches it at the same step;
-* DP mode also after every ``free`` (a request finished, was aborted or retracted). Not in TP
-  mode: a free can fall between a prefill batch's placement and its forward, when the new
+* DP mode also after every ``free`` / ``free_segment`` (a request finished, was aborted or
+  retracted). Not in TP mode: a free can fall between a prefill batch's placement and its forward, when the new
   rows' owner slots and buffer copies do not hold their bytes yet, and a byte comparison
   there would fail (DP's check compares no bytes).
 
@@ -53,6 +53,15 @@ def _wrap_free(mod):
         return out
 
     cls.free = free
+    orig_segment = cls.free_segment
+
+    def free_segment(self, free_index, *, start_pos):  # SGLang's finish/retract path
+        out = orig_segment(self, free_index, start_pos=start_pos)
+        if getattr(self.core, "P", 1) == 1:
+            _check(self, "free_segment")
+        return out
+
+    cls.free_segment = free_segment
 
 
 @cpu_stand_ins._on_import("ulacache.patches.sglang_coordinator")
