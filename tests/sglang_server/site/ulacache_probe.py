@@ -9,9 +9,9 @@ allocator) at points where every placed row has been written:
   forward wrote every row placed so far. In TP mode the check is collective (it reads every
   buffered copy back from its owner) and every rank reaches it at the same step;
 * DP mode also after every ``free`` / ``free_segment`` (a request finished, was aborted or
-  retracted). Not in TP mode: a free can fall between a prefill batch's placement and its forward, when the new
-  rows' owner slots and buffer copies do not hold their bytes yet, and a byte comparison
-  there would fail (DP's check compares no bytes).
+  retracted). Not in TP mode: a free can fall between a prefill batch's placement and its
+  forward, when the new rows' owner slots and buffer copies do not hold their bytes yet, and
+  a byte comparison there would fail (DP's check compares no bytes).
 
 Each check appends one JSON line to ``<prefix>.<pid>``: ``{"event", "ok", "error"}``; the
 tests read those files.
