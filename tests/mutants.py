@@ -6,6 +6,7 @@
     python tests/mutants.py fused_tp   # the fused TP gates (test_fused_tp.py)
     python tests/mutants.py fused_round  # fused round start and release (test_fused_policy.py)
     python tests/mutants.py hostile    # refusals and TP verdicts (test_hostile_calls.py)
+    python tests/mutants.py pieces     # calls over the scratch (test_core, test_fused_access)
 
 Copies the repository to a temporary directory, applies each mutant below (one line of the core
 changed the way a tired engineer might), runs the core tests there twice with the derandomized
@@ -202,6 +203,23 @@ HOSTILE_MUTANTS = [  # refusals that change nothing, and TP verdicts every rank 
 # Not listed: equivalent mutants (no observable change), e.g. PBLRU.touch moving a slot that is
 # already in the current bucket to the current bucket again (the bit and count moves cancel).
 
+PIECES_TESTS = ["tests/test_core.py", "tests/test_fused_access.py", "-k",
+                "chunked or scratch"]
+PIECES_MUTANTS = [  # calls larger than the scratch, taken in pieces in one round
+    (G, "                self.check_access(addrs)\n            rows = out",
+     "                pass\n            rows = out",
+     "chunked access: the whole call is not checked first"),
+    (G, "                self._release_plan(addrs, check=True)\n            for chunk",
+     "                pass\n            for chunk",
+     "chunked release: the whole call is not checked first"),
+    (G, "                self.check_place(addrs)\n            return torch.cat",
+     "                pass\n            return torch.cat",
+     "chunked place: the whole call is not checked first"),
+    (G, "return list(addrs.reshape(-1).split(self.max_call))",
+     "return list(addrs.reshape(-1).split(self.max_call + 1))",
+     "pieces one entry larger than the scratch"),
+]
+
 CONFTEST = '''
 from hypothesis import Phase
 settings.register_profile("mutation", derandomize=True, deadline=None,
@@ -224,7 +242,8 @@ def main() -> int:
                   "fused": [(*m, FUSED_TESTS) for m in FUSED_MUTANTS],
                   "fused_tp": [(*m, FUSED_TP_TESTS) for m in FUSED_TP_MUTANTS],
                   "fused_round": [(*m, FUSED_ROUND_TESTS) for m in FUSED_ROUND_MUTANTS],
-                  "hostile": [(*m, HOSTILE_TESTS) for m in HOSTILE_MUTANTS]}
+                  "hostile": [(*m, HOSTILE_TESTS) for m in HOSTILE_MUTANTS],
+                  "pieces": [(*m, PIECES_TESTS) for m in PIECES_MUTANTS]}
         chosen = sys.argv[1:] or list(suites)
         if set(chosen) - set(suites):
             print(f"usage: python tests/mutants.py [{' | '.join(suites)}] ...")
