@@ -458,7 +458,9 @@ def test_a_refused_chunked_call_changes_nothing():
         (g.access, torch.cat([torch.arange(1, 200), torch.tensor([399])]).view(1, -1),
          AddressError),  # a dead address in the second chunk only
         (g.release, torch.cat([torch.arange(1, 150), torch.tensor([5])]), AddressError),
-        (g.place, torch.cat([torch.arange(300, 399), torch.arange(300, 340)]), AddressError),
+        # 100 fresh + 28 padding in the first piece, a duplicate alone in the second
+        (g.place, torch.cat([torch.arange(300, 400), torch.full((28,), -1), torch.tensor([300])]),
+         AddressError),
         (g.access, torch.arange(1, 260).view(1, -1), CapacityExhausted),  # > 200 GPU slots
     ]
     for call, addrs, error in cases:
