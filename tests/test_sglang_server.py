@@ -40,7 +40,7 @@ except ImportError as e:
     pytest.skip(f"SGLang's server packages are missing ({e}): pip install --no-deps -r "
                 "requirements/sglang-server.txt", allow_module_level=True)
 
-from tests.sglang_server.harness import INDEX_TOPK, Server, run_launch, write_model  # noqa: E402
+from tests.sglang_server.harness import INDEX_TOPK, Server, write_model  # noqa: E402
 
 pytestmark = pytest.mark.sglang_server
 
@@ -272,80 +272,6 @@ def test_ulacache_metrics_are_in_sglang_s_own_scrape(ula):
                  "ulacache_gpu_used_slots", "ulacache_bytes_moved"):
         assert re.search(rf'^{name}{{[^}}]*group="0"[^}}]*rank="0"', text, re.M), name
     assert metric(text, "ulacache_accesses") > metric(text, "ulacache_gpu_hits") > 0
-
-
-# -- start-up refusals through launch_server itself -----------------------------------------
-@pytest.fixture(scope="module")
-def refusals(tmp, dsa_model) -> dict:
-    """Launches that must refuse before serving, run at once (each is mostly SGLang's import
-    time): a bad --ulacache-config, a model without sparse attention, a server dependency
-    missing (uvloop: SGLang cannot import its engine module and only logs that its hooks
-    failed), deployments not built (PD decode, pipeline stages, context-parallel attention:
-    one launch, one line naming all three) and the radix cache left on."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    llama = write_model(tmp / "llama", "LlamaForCausalLM")
-    launches = {
-        "config": lambda: run_launch(dsa_model, ULA + ["--ulacache-config", '{"cpu_ratio": -1}']),
-        "model": lambda: run_launch(llama, ["--kv-backend", "ulacache", "--disable-radix-cache"],
-                                    dsa=False),
-        "dependency": lambda: run_launch(dsa_model, ULA,
-                                         env={"ULA_TEST_BLOCK_MODULES": "uvloop"}),
-        "not built": lambda: run_launch(dsa_model, ULA + [
-            "--disaggregation-mode", "decode", "--pp-size", "2", "--attn-cp-size", "2"]),
-        "radix": lambda: run_launch(dsa_model, ["--kv-backend", "ulacache"]),
-    }
-    with ThreadPoolExecutor(len(launches)) as ex:
-        futures = {name: ex.submit(fn) for name, fn in launches.items()}
-        return {name: f.result() for name, f in futures.items()}
-
-
-def _one_line(p) -> str:
-    """The launch's last stderr line (SGLang logs before it), which must be the whole error."""
-    lines = [x for x in p.stderr.splitlines() if x.strip()]
-    assert lines, p
-    return lines[-1]
-
-
-def test_a_bad_ulacache_config_exits_with_one_line(refusals):
-    p = refusals["config"]
-    line = _one_line(p)
-    assert p.returncode == 2 and line.startswith("ulacache: error: "), (p.returncode, line)
-    assert "cpu_ratio" in line and "Traceback" not in p.stderr
-
-
-def test_a_model_without_sparse_attention_is_refused_with_one_line(refusals):
-    p = refusals["model"]
-    line = _one_line(p)
-    assert p.returncode == 2 and line.startswith("ulacache: error: --kv-backend ulacache "
-                                                 "needs a DSA"), (p.returncode, line)
-    assert "Traceback" not in p.stderr
-
-
-def test_a_missing_server_dependency_stops_a_ulacache_launch(refusals):
-    """It used to start without ulacache (SGLang logs and swallows a plugin's Exception)."""
-    p = refusals["dependency"]
-    line = _one_line(p)
-    assert p.returncode == 2 and line.startswith("ulacache: error: "), (p.returncode, line)
-    assert "sglang.srt.entrypoints.engine cannot be imported" in line and "uvloop" in line
-
-
-def test_deployments_not_built_are_refused_at_launch_with_one_line(refusals):
-    """--disaggregation-mode decode used to start and then crash at disaggregation/decode.py
-    reading mem_pool_host; pipeline stages and context-parallel attention are not built."""
-    p = refusals["not built"]
-    line = _one_line(p)
-    assert p.returncode == 2 and line.startswith("ulacache: error: "), (p.returncode, line)
-    for flag in ("--disaggregation-mode decode", "--pp-size 2", "--attn-cp-size 2"):
-        assert flag in line, (flag, line)
-    assert "Traceback" not in p.stderr
-
-
-def test_the_radix_cache_left_on_is_refused_with_one_line(refusals):
-    p = refusals["radix"]
-    line = _one_line(p)
-    assert p.returncode == 2 and line.startswith("ulacache: error: "), (p.returncode, line)
-    assert "--disable-radix-cache" in line and "Traceback" not in p.stderr
 
 
 def test_the_index_topk_of_the_tiny_model_is_below_the_prompts():
