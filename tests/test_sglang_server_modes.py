@@ -51,13 +51,13 @@ def tmp(tmp_path_factory):
     return tmp_path_factory.mktemp("sglang_server_modes")
 
 
-def _pair(tmp, name, model, stock_flags, ula_flags, env=None):
+def _pair(tmp, name, model, stock_flags, ula_flags, env=None, new_batch=NEW_BATCH):
     """(stock tokens, ulacache run) for the same workloads; the stock server is stopped
     before ulacache's starts (two cores)."""
     stock = _start(tmp, f"{name}-stock", model, COMMON + STOCK + stock_flags, env)
     try:
         ref = {"long": [tokens(generate(stock.srv, p, NEW_LONG)) for p in LONG[:2]],
-               "batch": tokens(generate(stock.srv, BATCH, NEW_BATCH))}
+               "batch": tokens(generate(stock.srv, BATCH, new_batch))}
     finally:
         stock.srv.stop()
     return ref, _start(tmp, f"{name}-ula", model, COMMON + ULA + ula_flags, env)

@@ -23,7 +23,12 @@ except ImportError as e:
 
 from tests.sglang_server.harness import write_model  # noqa: E402
 from tests.test_sglang_server import BATCH, CPU_RATIO, LONG, generate, metric, tokens  # noqa: E402
-from tests.test_sglang_server_modes import NEW_BATCH, NEW_LONG, TP_ENV, _pair  # noqa: E402
+from tests.test_sglang_server_modes import NEW_LONG, TP_ENV, _pair  # noqa: E402
+
+# the batch's history, 304 + 4 x 128 = 816 tokens, gives each rank 408 peers' rows against its
+# 260-row buffer (4 requests x 65): with 64 new tokens (280 rows) whether an evicted copy was
+# selected again depended on the batch's timing, and the test was flaky
+TP_BATCH = 128
 
 pytestmark = pytest.mark.sglang_server
 
@@ -39,7 +44,7 @@ def tp(tmp):
     # ULA's --max-total-tokens 320 is the group's: 160 GPU tokens per rank
     ref, run = _pair(tmp, "tp", model, ["--tp-size", "2"], ["--tp-size", "2",
                      "--ulacache-config", json.dumps({"mode": "tp", "cpu_ratio": CPU_RATIO})],
-                     TP_ENV)
+                     TP_ENV, new_batch=TP_BATCH)
     yield ref, run
     run.srv.stop()
     checks, failures = run.integrity()
@@ -52,7 +57,7 @@ def test_tp2_matches_the_stock_pool_and_moves_rows_between_ranks(tp):
     overflows each rank's buffer, so peers' rows are copied between ranks."""
     ref, run = tp
     assert [tokens(generate(run.srv, p, NEW_LONG)) for p in LONG[:2]] == ref["long"]
-    assert tokens(generate(run.srv, BATCH, NEW_BATCH)) == ref["batch"]
+    assert tokens(generate(run.srv, BATCH, TP_BATCH)) == ref["batch"]
     text = run.metrics()
     assert metric(text, "ulacache_tp_peer_fetches") > 0
     assert metric(text, "ulacache_promotions") > 0
