@@ -451,13 +451,6 @@ class Scratch:
             *(torch.empty(self.cap, dtype=d, device=device) for d in self.dtypes),
             torch.empty(self.cap // block, dtype=torch.int32, device=device))
 
-    @staticmethod
-    def bytes_for(dtypes, block: int, capacity: int) -> int:
-        """Device bytes a scratch of ``capacity`` entries allocates (the sizing charges it)."""
-        cap = -(-max(1, int(capacity)) // block) * block
-        return cap * sum(torch.empty((), dtype=d).element_size() for d in dtypes) + \
-            cap // block * 4
-
     def get(self, n: int) -> tuple[torch.Tensor, ...]:
         if n > self.cap:
             from ulacache.errors import ShapeError

@@ -227,8 +227,12 @@ class UlaCacheTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
     def _page_addresses(self, index: torch.Tensor) -> torch.Tensor:
         """Every address of the pages ``index`` touches: SGLang's paged allocator frees whole
         pages, so rows of a page's unreturned tail (e.g. rejected draft tokens) go too."""
+        return self._addresses_of_pages(torch.unique(index.reshape(-1).to(torch.int64) //
+                                                     self.page_size))
+
+    def _addresses_of_pages(self, pages: torch.Tensor) -> torch.Tensor:
+        """Every address of these (distinct) pages, ``int64 [pages x page_size]``."""
         P = self.page_size
-        pages = torch.unique(index.reshape(-1).to(torch.int64) // P)
         return (pages.view(-1, 1) * P + torch.arange(P, device=pages.device)).reshape(-1)
 
     def free_hisparse(self, free_index: torch.Tensor) -> None:
@@ -253,9 +257,7 @@ class UlaCacheTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         P = self.page_size
         if start_pos % P:
             raise ValueError(f"segment start {start_pos} is not page-aligned (page {P})")
-        pages = free_index[::P].to(torch.int64) // P
-        self.core.release((pages.view(-1, 1) * P +
-                           torch.arange(P, device=pages.device)).reshape(-1))
+        self.core.release(self._addresses_of_pages(free_index[::P].to(torch.int64) // P))
         self.logical_attn_allocator.free_segment(free_index, start_pos=start_pos)
 
     def clear(self) -> None:

@@ -205,8 +205,8 @@ HOSTILE_MUTANTS = [  # refusals that change nothing, and TP verdicts every rank 
 PIECES_TESTS = ["tests/test_core.py", "tests/test_fused_access.py", "-k",
                 "chunked or scratch"]
 PIECES_MUTANTS = [  # calls larger than the scratch, taken in pieces in one round
-    (G, "                self.check_access(addrs)\n            rows = out",
-     "                pass\n            rows = out",
+    (G, "                self.check_access(addrs)\n            return in_pieces",
+     "                pass\n            return in_pieces",
      "chunked access: the whole call is not checked first"),
     (G, "                self._release_plan(addrs, check=True)\n            for chunk",
      "                pass\n            for chunk",

@@ -130,6 +130,20 @@ def check_out(out: torch.Tensor | None, shape: torch.Size, device: torch.device,
         raise ShapeError(f"{what}: out must be int32 {tuple(shape)} on {device}, got {got}")
 
 
+def in_pieces(addrs: torch.Tensor, out: torch.Tensor | None, size: int, device: torch.device,
+              call) -> torch.Tensor:
+    """``call(piece [1, m], out_piece [1, m])`` over ``addrs`` in pieces of at most ``size``
+    entries, writing ``int32`` rows of ``addrs``'s shape into ``out`` (or a new tensor)."""
+    rows = out if out is not None and out.is_contiguous() else \
+        torch.empty(addrs.shape, dtype=torch.int32, device=device)
+    for piece, dst in zip(addrs.reshape(-1).split(size), rows.view(-1).split(size)):
+        call(piece.view(1, -1), dst.view(1, -1))
+    if out is not None and rows is not out:
+        out.copy_(rows)
+        return out
+    return rows
+
+
 def first_occurrence(claim: torch.Tensor, safe: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """``keep`` (``bool [n]``) restricted to the first occurrence of each index of ``safe``
     (``int64 [n]``, in range of ``claim``). ``claim`` is an ``int64`` table all ``_NO_CLAIM``
@@ -447,14 +461,7 @@ class SelectionGroup:
         if addrs.numel() > self.max_call:  # a prefill page table: chunks, in this round
             if self._checking():
                 self.check_access(addrs)
-            rows = out if out is not None and out.is_contiguous() else \
-                torch.empty(addrs.shape, dtype=torch.int32, device=self.device)
-            for chunk, dst in zip(self._chunks(addrs), self._chunks(rows)):
-                self._access_one(chunk.view(1, -1), dst.view(1, -1))
-            if out is not None and rows is not out:
-                out.copy_(rows)
-                return out
-            return rows
+            return in_pieces(addrs, out, self.max_call, self.device, self._access_one)
         return self._access_one(addrs, out)
 
     def _access_one(self, addrs: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

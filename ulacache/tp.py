@@ -52,7 +52,7 @@ from .address import local_position, owner_rank
 from .buffer import LocalBuffer
 from .config import UlaCacheConfig
 from .errors import AddressError, CapacityExhausted, ShapeError, UlaCacheError
-from .group import COUNTERS, add_counts, advance_policies, check_out, new_claim_table
+from .group import COUNTERS, add_counts, advance_policies, check_out, in_pieces, new_claim_table
 from .health import CounterMonitor
 from .pblru import PBLRUArena
 from .pools import resolve_device
@@ -551,15 +551,8 @@ class TPAddressSpace:
         check_out(out, addrs.shape, self.device, "access")
         if self.validate:  # the whole call first: a bad entry in a later chunk changes nothing
             self._check_plan(group, addrs)
-        rows = out if out is not None and out.is_contiguous() else \
-            torch.empty(addrs.shape, dtype=torch.int32, device=self.device)
-        for chunk, dst in zip(addrs.reshape(-1).split(self.call_capacity),
-                              rows.view(-1).split(self.call_capacity)):
-            self.access(group, chunk.view(1, -1), dst.view(1, -1))
-        if out is not None and rows is not out:
-            out.copy_(rows)
-            return out
-        return rows
+        return in_pieces(addrs, out, self.call_capacity, self.device,
+                         lambda piece, dst: self.access(group, piece, dst))
 
     def translate(self, group: int, addrs: torch.Tensor) -> torch.Tensor:
         """Rows of :meth:`attn_rows` where addresses are readable now without side effects
