@@ -9,6 +9,10 @@ either way.
 
 Index vectors on another device than the kernel's are moved there (an extra copy, not graph
 capturable); pass them on the GPU on hot paths.
+
+On the ``meta`` device (``ulacache rehearse``: shapes without data) a row operation takes the
+kernel's path without a kernel: the index conversions a launch makes are made (they are what
+it allocates), the launch is counted in :data:`META_LAUNCHES`, and no bytes move.
 """
 
 from __future__ import annotations
@@ -36,6 +40,19 @@ __all__ = [
 ]
 
 _noted: set[str] = set()
+META_LAUNCHES: dict[str, int] = {}
+"""Row-kernel launches made on the meta device, by operation (``ulacache rehearse``)."""
+
+
+def _meta_launch(name: str, dst: torch.Tensor, *idx: torch.Tensor) -> bool:
+    """Whether ``dst`` is on the meta device; then the launch ``name`` is counted and its
+    indices converted as the kernel path converts them (see the module docstring)."""
+    if dst.device.type != "meta":
+        return False
+    for i in idx:
+        _on(i, dst.device)
+    META_LAUNCHES[name] = META_LAUNCHES.get(name, 0) + 1
+    return True
 
 
 def _note(reason: str) -> None:
@@ -95,6 +112,8 @@ def gather_rows(
     ``src``/``dst``: ``uint8 [L, *, row_bytes]``; ``src_idx``/``dst_idx``: ``int64 [n]``.
     Covers host -> GPU (zero-copy), GPU -> GPU and GPU -> host (spill of new rows).
     """
+    if _meta_launch("gather_rows", dst, src_idx, dst_idx):
+        return
     if uses_kernel(src, dst):
         dev = _dev(src, dst)
         cuda_rows.gather(src, _on(src_idx, dev), dst, _on(dst_idx, dev))
@@ -106,6 +125,8 @@ def swap_rows(
     gpu: torch.Tensor, gpu_idx: torch.Tensor, cpu: torch.Tensor, cpu_idx: torch.Tensor
 ) -> None:
     """Promotion swap ``gpu[:, g] <-> cpu[:, c]`` for each valid pair (both read first)."""
+    if _meta_launch("swap_rows", gpu, gpu_idx, cpu_idx):
+        return
     if gpu.is_cuda and uses_kernel(cpu, gpu):
         dev = gpu.device
         cuda_rows.swap(gpu, _on(gpu_idx, dev), cpu, _on(cpu_idx, dev))
@@ -144,6 +165,8 @@ def gather_rows_peers(
     table for the kernel) or a sequence of the pool tensors. ``src_rank``/``src_idx``/
     ``dst_idx``: ``int64 [n]``, ``-1`` skips. See :mod:`ulacache.kernels.peer_reference`.
     """
+    if _meta_launch("gather_rows_peers", dst, src_rank, src_idx, dst_idx):
+        return
     if dst.is_cuda and cuda_rows.kernels_available() and _pool_fits(dst) is None:
         dev = dst.device
         if isinstance(srcs_ptr_table, torch.Tensor):

@@ -159,9 +159,10 @@ class UlaCacheTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
     # -- admission: refuse what cannot be served, never hand SGLang a None ------------------
     def prefill_fits(self, seq_lens: list[int]) -> bool:
         """Whether a prefill batch whose requests reach these lengths (prefix + extend, tokens)
-        can run in one round: every token GPU-resident at once, i.e. (DP) their sum fits the GPU
-        pool. :meth:`alloc_extend` refuses exactly what this refuses."""
-        return sum(seq_lens) <= self.core.config.gpu_slots
+        can run in one round, every token GPU-resident at once: the core's answer
+        (``prefill_fits`` of the DP or TP address space). :meth:`alloc_extend` refuses exactly
+        what this refuses."""
+        return self.core.prefill_fits(seq_lens)
 
     def max_new_tokens_for_memory(self, input_tokens: int, max_new_tokens: int, *,
                                   token_capacity: int, sliding_window_size: int | None,

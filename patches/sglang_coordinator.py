@@ -98,14 +98,16 @@ class UlaCacheCoordinator(HiSparseCoordinator):
                 "must reuse its anchor's rows. The pool's skip_topk_layers did not reach it")
 
     def _check_sizes(self, requests: int, steps: int, top_k: int) -> None:
-        """Refuse to start unless the GPU pool holds one step's selections."""
-        worst = requests * steps * (top_k + 1)
-        if self.core.config.gpu_slots < worst:
+        """Refuse to start unless a decode step's selections fit (the core's
+        ``check_step_capacity``: the GPU pool in DP mode; the buffer and each rank's share of
+        them in TP mode), naming the SGLang flags that change it."""
+        try:
+            self.core.check_step_capacity(requests, steps, top_k)
+        except ConfigError as exc:
             raise ConfigError(
-                f"ulacache: the GPU pool ({self.core.config.gpu_slots} slots) must hold one step's "
-                f"selections: ({requests} requests x {steps} tokens) x (top-k {top_k} + 1) = "
-                f"{worst}. Lower --max-running-requests (or --cuda-graph-max-bs-decode), or give "
-                "the KV cache more memory (--mem-fraction-static)")
+                f"ulacache: {exc}. Lower --max-running-requests (or --cuda-graph-max-bs-decode), "
+                "give the KV cache more memory (--mem-fraction-static), or in TP mode raise "
+                "'buffer_slots' in --ulacache-config") from None
 
     # -- scheduler side ------------------------------------------------------------------
     def set_decode_producer_stream(self, stream) -> None:

@@ -59,7 +59,9 @@ class UlaCacheTPDSATokenToKVPool(UlaCacheDSATokenToKVPool):
     Extra keyword arguments (tests and tools; SGLang passes none): ``ulacache_tp_group`` (a
     GroupCoordinator-like object with ``world_size``, ``rank_in_group``, ``cpu_group``,
     ``device_group``; default ``get_dp_tp_group()``), ``ulacache_top_k`` (sizes the buffer when
-    neither ``buffer_slots`` nor the sizing hook's record is there; default 2048).
+    neither ``buffer_slots`` nor the sizing hook's record is there; default 2048),
+    ``ulacache_peers`` (a :class:`ulacache.ipc.Peers` of the group; default
+    :func:`make_tp_peers`: ``ulacache rehearse`` passes in-process peers on the meta device).
     """
 
     def __init__(self, size: int, page_size: int, kv_lora_rank: int, dtype: torch.dtype,
@@ -70,7 +72,7 @@ class UlaCacheTPDSATokenToKVPool(UlaCacheDSATokenToKVPool):
                  max_running_requests: int | None = None,
                  skip_topk_layers: list[bool] | None = None, host_to_device_ratio: int = 2,
                  ulacache_options: SGLangOptions | None = None, ulacache_tp_group=None,
-                 ulacache_top_k: int | None = None):
+                 ulacache_top_k: int | None = None, ulacache_peers=None):
         from .plugin import verify_tp
 
         verify_tp()  # a launch whose TP hooks did not take effect stops here, loudly
@@ -92,7 +94,7 @@ class UlaCacheTPDSATokenToKVPool(UlaCacheDSATokenToKVPool):
                                          ulacache_top_k or tps.DEFAULT_TOP_K, tps.draft_tokens())
         self.ula_gpu_rows, self.ula_buffer_rows = G, B
         self.ula_rows = -(-(page_size + G + 1 + B) // page_size) * page_size
-        self.ula_peers = make_tp_peers(grp, device)
+        self.ula_peers = ulacache_peers or make_tp_peers(grp, device)
         # SGLang's own pool constructor, skipping the DP pool's (which builds a DP core). Not
         # ``HiSparseDSATokenToKVPool.__init__`` by name: under the plugin that name is bound to
         # ulacache's DP pool class once the class swap has run (seen on a live TP launch).

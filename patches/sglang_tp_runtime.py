@@ -4,11 +4,13 @@ SGLang's TP schedulers run in lockstep (SPMD): every rank makes the same calls w
 arguments, and every call here that reaches a collective of :class:`ulacache.tp.TPAddressSpace`
 (``begin_round``, ``place``/``release``/``check_place`` with validate on, ``plan``) is made on
 every rank in the same order. What could differ per rank is each rank's room (its own pool,
-its buffer), so every yes/no the scheduler sees is agreed first: the prefill fit check counts
-each rank's share from the sequence lengths alone (identical on every rank), the core's
-``check_place`` agrees through its own all-gather, and the logical allocation through an
-all-reduce MIN over the gloo group (:func:`~ulacache.patches.sglang_tp_support.agree`). A
-batch is refused (``None``: SGLang's out-of-memory path) on every rank or on none.
+its buffer), so every yes/no the scheduler sees is agreed first: the prefill fit check (the
+core's ``prefill_fits``) counts each rank's share from the sequence lengths alone (identical on
+every rank), the logical allocation is agreed through an all-reduce MIN over the gloo group
+(:func:`~ulacache.patches.sglang_tp_support.agree`), and with validate on the core's
+``check_place`` agrees through its own all-gather (off, room is certain once the fit check
+held, and the check's host reads are skipped). A batch is refused (``None``: SGLang's
+out-of-memory path) on every rank or on none.
 
 Decode: ``map_last_loc_to_buffer`` starts a round (the core's group fence) and places the new
 tokens (the owner's pool; everyone else's buffer copy, filled by the rank's own write);
@@ -20,12 +22,12 @@ own bytes of the planned peer rows, shared layers included.
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 from sglang.srt.managers.hisparse_coordinator import HiSparseTokenStats
 
-from ulacache.errors import CapacityExhausted, ConfigError
+from ulacache.errors import CapacityExhausted
+from ulacache.tp import owned_counts
 
 from . import sglang_tp_support as tps
 from .sglang_allocator import UlaCacheTokenToKVPoolAllocator
@@ -45,13 +47,6 @@ class UlaCacheTPTokenToKVPoolAllocator(UlaCacheTokenToKVPoolAllocator):
         self.group = kvcache.ula_group
         self.tp_size = kvcache.ula_P
 
-    def prefill_fits(self, seq_lens: list[int]) -> bool:
-        """TP: each rank's own share of the batch's tokens fits its GPU pool and the rest (its
-        peers' rows) its buffer (every rank computes the same answer from the same lengths)."""
-        cfg = self.core.config
-        own = tps.owned_counts(seq_lens, self.tp_size)
-        return max(own) <= cfg.gpu_slots and sum(seq_lens) - min(own) <= cfg.buffer_slots
-
     def alloc_extend(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc,
                      extend_num_tokens):
         """Prefill: logical addresses, a new round, then own rows in every group's pool and
@@ -63,7 +58,7 @@ class UlaCacheTPTokenToKVPoolAllocator(UlaCacheTokenToKVPoolAllocator):
         """
         cfg = self.core.config
         lens = [int(n) for n in seq_lens_cpu.reshape(-1).tolist()]
-        own = tps.owned_counts(lens, self.tp_size)
+        own = owned_counts(lens, self.tp_size)
         total = sum(lens)
         if not self.prefill_fits(lens):
             logger.warning("ulacache TP: prefill batch spans %d tokens; a rank owns up to %d "
@@ -81,7 +76,12 @@ class UlaCacheTPTokenToKVPoolAllocator(UlaCacheTokenToKVPoolAllocator):
         with self.core.stream.scope():  # the fence is ordered on the forward stream, not ours
             self.core.begin_round()
         try:
-            self.core.check_place(locs)  # collective: the same verdict on every rank
+            # After begin_round every buffer slot is free or evictable, prefill_fits held each
+            # rank's own share to its GPU pool and its peers' share to its buffer, and the
+            # logical allocator holds the batch to the unique capacity: room is certain, so
+            # only validate pays the collective check's host syncs (one per group per check)
+            if self.core.validate:
+                self.core.check_place(locs)  # collective: the same verdict on every rank
         except CapacityExhausted as exc:
             logger.warning("ulacache TP: prefill batch does not fit this round (%s)", exc)
             self.logical_attn_allocator.free(locs)
@@ -104,33 +104,6 @@ class UlaCacheTPCoordinator(UlaCacheCoordinator):
         self.group = self.mem_pool_device.ula_group
         self._start_layer = self.mem_pool_device.start_layer
 
-    def _check_sizes(self, requests: int, steps: int, top_k: int) -> None:
-        """Refuse to start unless the buffer holds one step's selections and new tokens (all
-        may be peers' rows) and the own pool holds at least a balanced share of them; warn
-        when a step whose selections fall unevenly on the ranks could overflow the own pool
-        (counted as ``access_overflow``, served as padding)."""
-        cfg = self.core.config
-        P, worst = cfg.tp_size, requests * steps * (top_k + 1)
-        what = (f"({requests} requests x {steps} tokens) x (top-k {top_k} + 1) = {worst}")
-        if cfg.buffer_slots < worst:
-            raise ConfigError(
-                f"ulacache TP: the local buffer ({cfg.buffer_slots} rows) must hold one step's "
-                f"selections of peers' rows: {what}. Raise 'buffer_slots' in --ulacache-config "
-                "(or leave it null: derived from --max-running-requests), or lower "
-                "--max-running-requests (and --cuda-graph-max-bs-decode)")
-        if cfg.gpu_slots < math.ceil(worst / P):
-            raise ConfigError(
-                f"ulacache TP: each rank's GPU pool ({cfg.gpu_slots} rows) must hold at least its "
-                f"1/{P} share of one step's selections, {what} / {P}. Lower "
-                "--max-running-requests (or --cuda-graph-max-bs-decode), or give the KV cache "
-                "more memory (--mem-fraction-static)")
-        if cfg.gpu_slots < worst:
-            logger.warning("ulacache TP: own GPU pool %d rows < one step's selections %s; a "
-                           "step whose selections fall unevenly on the ranks may overflow "
-                           "(counted as access_overflow, served as padding)", cfg.gpu_slots,
-                           what)
-
-    # -- scheduler side ------------------------------------------------------------------
     def set_decode_producer_stream(self, stream) -> None:
         self._producer_stream = stream
         self.core.local.set_stream(stream)

@@ -61,8 +61,10 @@ def tp_group():
 
 def all_gather_into(grp, out: torch.Tensor, inp: torch.Tensor) -> None:
     """``out`` (flat ``[P * n]``) = every rank's flat ``inp`` ``[n]`` in rank order, on the
-    group's device collective (graph-capturable on CUDA)."""
-    if out.is_cuda:
+    group's device collective (graph-capturable on CUDA). On CPU, SGLang's custom op has no
+    kernel: plain ``torch.distributed`` on the gloo device group; any other device (CUDA, the
+    rehearsal's meta) through the group's own ``all_gather_into_tensor``."""
+    if out.device.type != "cpu":
         grp.all_gather_into_tensor(out, inp)
     else:
         import torch.distributed as dist
@@ -80,7 +82,10 @@ def all_gather_stack(grp, t: torch.Tensor) -> torch.Tensor:
 
 def agree(grp, ok: bool) -> bool:
     """Whether ``ok`` holds on every rank (an all-reduce MIN over the gloo ``cpu_group``): the
-    allocator's decisions must be the same on every rank, or the lockstep schedulers diverge."""
+    allocator's decisions must be the same on every rank, or the lockstep schedulers diverge.
+    A group with its own ``agree`` (``ulacache rehearse``'s in-process ranks) answers itself."""
+    if hasattr(grp, "agree"):
+        return grp.agree(ok)
     import torch.distributed as dist
 
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
@@ -89,12 +94,6 @@ def agree(grp, ok: bool) -> bool:
 
 
 # -- sizes ---------------------------------------------------------------------------------
-def owned_counts(seq_lens: list[int], P: int) -> list[int]:
-    """Tokens of these sequences each rank owns: position ``p`` lives on rank ``p % P``
-    (SGLang's paged allocator keeps ``loc % 64 == pos % 64`` and ``P | 64``)."""
-    return [sum(max(0, (n - r + P - 1) // P) for n in seq_lens) for r in range(P)]
-
-
 def resolve_buffer_slots(opts: SGLangOptions, max_running_requests: int | None, top_k: int,
                          draft_tokens: int) -> int:
     """Buffer rows per rank, per selection group, per layer: ``buffer_slots`` when given, else

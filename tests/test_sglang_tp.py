@@ -272,10 +272,12 @@ def scenario_shared(rank: int) -> dict:
 
 
 def scenario_pressure(rank: int) -> dict:
-    """alloc_extend: None on both ranks or on neither."""
+    """alloc_extend: None on both ranks or on neither. Validate on: with it off the collective
+    room check is skipped (room is certain once ``prefill_fits`` held), so the injected
+    one-rank shortage below is only reachable with it on."""
     import ulacache.errors as errors
 
-    h = TPHarness(shared=False, validate=False, rank=rank)
+    h = TPHarness(shared=False, validate=True, rank=rank)
     h.prefill(1, 100, chunk=100)  # something live (and buffered) throughout
     z, before = torch.zeros(1, dtype=torch.int64), h.alloc.available_size()
     out = {}

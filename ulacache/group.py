@@ -76,8 +76,8 @@ def fused_kernels(path: str, device: torch.device, policy: ReplacementPolicy):
     """The fused-kernel module if ``path`` selects the fused path here, else ``None``."""
     if path not in ACCESS_PATHS:
         raise ConfigError(f"access_path must be one of {ACCESS_PATHS}, got {path!r}")
-    if path == "torch" or (path == "auto" and device.type != "cuda"):
-        return None
+    if path == "torch" or (path == "auto" and device.type not in ("cuda", "meta")):
+        return None  # meta: ulacache rehearse stands in for a CUDA device
     from ulacache.kernels import fused_access
 
     why = None
@@ -85,7 +85,7 @@ def fused_kernels(path: str, device: torch.device, policy: ReplacementPolicy):
         why = "Triton is not installed (pip install 'ulacache[cuda]')"
     elif not isinstance(policy, PBLRU):
         why = f"the fused kernels implement PB-LRU, not {type(policy).__name__}"
-    elif device.type != "cuda" and not fused_access.INTERPRETED:
+    elif device.type == "cpu" and not fused_access.INTERPRETED:
         why = "CPU tensors need Triton's interpreter (TRITON_INTERPRET=1 before importing it)"
     if why and path == "fused":
         raise ConfigError(f"access_path 'fused': {why}")

@@ -33,7 +33,10 @@ def resolve_device(device: torch.device | str) -> torch.device:
 
 
 def free_bytes(device: torch.device) -> int | None:
-    """Memory that an allocation on ``device`` can still take (``None``: unknown)."""
+    """Memory that an allocation on ``device`` can still take (``None``: unknown, or unbounded:
+    the ``meta`` device of ``ulacache rehearse`` allocates nothing)."""
+    if device.type == "meta":
+        return None
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     try:  # MemAvailable counts reclaimable page cache, unlike the free-page count
@@ -57,7 +60,7 @@ def allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, w
     nbytes = dtype.itemsize
     for d in shape:
         nbytes *= d
-    host = pinned or device.type != "cuda"
+    host = pinned or device.type == "cpu"
     avail = free_bytes(torch.device("cpu") if host else device)
     if avail is not None and nbytes > avail:
         raise CapacityExhausted(f"{what} needs {nbytes / 2**30:.2f} GiB ({tuple(shape)} "

@@ -21,7 +21,7 @@ import logging
 import torch
 
 from .config import UlaCacheConfig
-from .errors import CapacityExhausted, ShapeError
+from .errors import CapacityExhausted, ConfigError, ShapeError
 from .group import COUNTERS, SelectionGroup, advance_policies, new_claim_table
 from .health import CounterMonitor
 from .pblru import PBLRUArena
@@ -101,7 +101,8 @@ class AddressSpace:
         _, tables = table_bytes(len(layer_groups), n_logical=n, gpu_slots=G, cpu_slots=C,
                                 n_buckets=c.n_buckets, policy=c.policy,
                                 call_entries=c.call_entries)
-        cpu = torch.device("cpu")
+        # the host tier: host memory, or the meta device with the rest (ulacache rehearse)
+        cpu = torch.device("meta" if self.device.type == "meta" else "cpu")
         parts = {  # (device, what) -> bytes
             (self.device, "the GPU pool"): 0 if engine_pools else layers * (G + 1) * rb,
             (cpu, "the CPU pool"): layers * (C + 1) * rb,
@@ -165,6 +166,22 @@ class AddressSpace:
                              self.groups[0].fused is not None)
             self.health.poll()
         self.round_serial += 1
+
+    # -- what a round can hold (the engine's admission asks these) -------------------------
+    def prefill_fits(self, seq_lens: list[int]) -> bool:
+        """Whether a prefill batch of requests reaching these lengths (tokens, prefix
+        included) can be GPU-resident in one round, as its sparse attention may select any of
+        them: their sum fits the GPU pool. Host-side, from lengths alone."""
+        return sum(seq_lens) <= self.config.gpu_slots
+
+    def check_step_capacity(self, requests: int, steps: int, top_k: int) -> None:
+        """Raise :class:`ConfigError` unless one decode step's selections, ``requests x steps``
+        rows of ``top_k`` plus the new token each, fit the GPU pool."""
+        worst = requests * steps * (top_k + 1)
+        if self.config.gpu_slots < worst:
+            raise ConfigError(
+                f"the GPU pool ({self.config.gpu_slots} slots) must hold one step's selections: "
+                f"({requests} requests x {steps} tokens) x (top-k {top_k} + 1) = {worst}")
 
     # -- placement and release --------------------------------------------------------------
     def check_room(self, n: int) -> None:

@@ -42,6 +42,7 @@ them. (The calls may be captured in a CUDA graph, so the core cannot track them 
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -51,7 +52,7 @@ from ulacache.kernels.dispatch import gather_rows_peers, pool_ptr_table
 from .address import local_position, owner_rank
 from .buffer import LocalBuffer
 from .config import UlaCacheConfig
-from .errors import AddressError, CapacityExhausted, ShapeError, UlaCacheError
+from .errors import AddressError, CapacityExhausted, ConfigError, ShapeError, UlaCacheError
 from .group import COUNTERS, add_counts, advance_policies, check_out, in_pieces, new_claim_table
 from .health import CounterMonitor
 from .pblru import PBLRUArena
@@ -85,6 +86,13 @@ _TP_WHAT = {
                        "was left to its owner; enlarge buffer_slots to a step's distinct peer "
                        "rows plus the round's new rows",
 }
+
+
+def owned_counts(seq_lens: list[int], P: int) -> list[int]:
+    """Tokens of sequences of these lengths each of ``P`` ranks owns: position ``p`` lives on
+    rank ``p % P`` (SGLang's paged allocator keeps ``loc % 64 == pos % 64`` and ``P | 64``, so
+    owners follow positions)."""
+    return [sum(max(0, (n - r + P - 1) // P) for n in seq_lens) for r in range(P)]
 
 
 def buffer_used(values: dict[str, int]) -> dict[str, int]:
@@ -297,6 +305,34 @@ class TPAddressSpace:
     @property
     def round_serial(self) -> int:
         return self.local.round_serial
+
+    # -- what a round can hold (the engine's admission asks these) -------------------------
+    def prefill_fits(self, seq_lens: list[int]) -> bool:
+        """Whether a prefill batch of requests reaching these lengths (tokens) can be served
+        in one round on every rank: each rank's own share (:func:`owned_counts`) fits its GPU
+        pool and the rest, its peers' rows, its buffer. The same answer on every rank (lengths
+        alone), so no collective."""
+        own = owned_counts(seq_lens, self.P)
+        return max(own) <= self.gpu_slots and sum(seq_lens) - min(own) <= self.buffer_slots
+
+    def check_step_capacity(self, requests: int, steps: int, top_k: int) -> None:
+        """Raise :class:`ConfigError` unless the buffer holds one decode step's selections and
+        new tokens (all may be peers' rows) and the own pool at least its balanced ``1/P``
+        share; warn when a step whose selections fall unevenly could overflow the own pool
+        (counted as ``access_overflow``, served as padding)."""
+        worst = requests * steps * (top_k + 1)
+        what = f"({requests} requests x {steps} tokens) x (top-k {top_k} + 1) = {worst}"
+        if self.buffer_slots < worst:
+            raise ConfigError(f"the local buffer ({self.buffer_slots} rows) must hold one "
+                              f"step's selections of peers' rows: {what}")
+        if self.gpu_slots < math.ceil(worst / self.P):
+            raise ConfigError(f"each rank's GPU pool ({self.gpu_slots} rows) must hold at "
+                              f"least its 1/{self.P} share of one step's selections, {what} / "
+                              f"{self.P}")
+        if self.gpu_slots < worst:
+            logger.warning("ulacache TP: own GPU pool %d rows < one step's selections %s; a step "
+                           "whose selections fall unevenly on the ranks may overflow (counted "
+                           "as access_overflow, served as padding)", self.gpu_slots, what)
 
     # -- placement and release --------------------------------------------------------------
     def check_place(self, addrs: torch.Tensor) -> None:

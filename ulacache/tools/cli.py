@@ -287,7 +287,45 @@ def build_parser() -> argparse.ArgumentParser:
                      help="evenly spaced layers to simulate for hit rates (0 = all)")
     sts.add_argument("--json", action="store_true")
     sts.set_defaults(func=_stats)
+
+    rh = sub.add_parser("rehearse", help="a launch rehearsal at production geometry (needs "
+                        "SGLang 0.5.23): SGLang's budget, every ulacache allocation, the transient "
+                        "peak of each call and the headroom per GPU; exit 1 if something does not "
+                        "fit")
+    rh.add_argument("--model", required=True, choices=["glm-5", "deepseek-v3.2"])
+    rh.add_argument("--gpu", required=True, choices=["h200", "b300"])
+    rh.add_argument("--gpus", type=_int_at_least(2), default=8,
+                    help="GPUs of the node: DP workers, or the TP group (2, 4 or 8)")
+    rh.add_argument("--mode", default="dp", choices=["dp", "tp"])
+    rh.add_argument("--ulacache-config", default=None, help="JSON, as --ulacache-config")
+    rh.add_argument("--speculative-num-draft-tokens", type=_int_at_least(0), default=0)
+    rh.add_argument("--chunked-prefill-size", type=_int_at_least(64), default=None,
+                    help="SGLang's flag (default: 8192 on H200, 16384 on B300)")
+    rh.add_argument("--max-running-requests", type=_int_at_least(1), default=None,
+                    help="SGLang's flag, over all DP workers (default 64 per worker)")
+    rh.add_argument("--mem-fraction-static", type=float, default=None,
+                    help="SGLang's flag (default: 0.85 on H200, 272/288 on B300, as "
+                    "bench/capacity.py)")
+    rh.add_argument("--host-gb", type=float, default=None,
+                    help="host memory for the CPU tier per GPU, GB (default: 128 on H200, 192 "
+                    "on B300, as bench/capacity.py)")
+    rh.add_argument("--prefill-layers", type=_int_at_least(0, " (0 = all)"), default=0,
+                    help="run the rehearsed prefill through this many evenly spaced layers "
+                    "(0 = all; every layer's call has the same shapes)")
+    rh.add_argument("--json", action="store_true")
+    rh.set_defaults(func=_rehearse)
     return ap
+
+
+def _rehearse(args) -> int:
+    try:
+        import sglang  # noqa: F401
+    except ImportError as exc:
+        raise CliError("ulacache rehearse builds SGLang 0.5.23's own classes: install it "
+                       "(docs/sglang-install.md)") from exc
+    from ulacache.tools import rehearse
+
+    return rehearse.main(args)
 
 
 def _refusals() -> tuple[type[BaseException], ...]:

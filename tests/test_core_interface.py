@@ -1,0 +1,81 @@
+"""The one interface the engine seam calls (:class:`ulacache.core.Core`), and the two mode
+differences that live in the core: what a prefill round holds (``prefill_fits``) and what a
+decode step needs (``check_step_capacity``), in DP and TP mode, checked against the placement
+itself: a batch ``prefill_fits`` admits is placed in one round with nothing overflowing, and
+one row more is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ulacache.config import UlaCacheConfig
+from ulacache.core import Core
+from ulacache.errors import ConfigError
+from ulacache.ipc import run_ranks
+from ulacache.space import AddressSpace
+from ulacache.tp import TPAddressSpace, owned_counts
+
+DP = UlaCacheConfig(layout="tiny", row_bytes=16, n_layers=2, gpu_slots=64, cpu_slots=192,
+                    page_size=4, n_buckets=4, validate=False)
+TP = UlaCacheConfig(layout="tiny", row_bytes=16, n_layers=2, gpu_slots=32, cpu_slots=96,
+                    page_size=4, n_buckets=4, tp_size=2, buffer_slots=40, validate=False)
+
+
+def test_both_address_spaces_are_the_core_interface():
+    assert isinstance(AddressSpace(DP, n_logical=256), Core)
+    got = run_ranks(2, lambda peers: isinstance(TPAddressSpace(TP, peers, n_logical=256), Core))
+    assert got == [True, True]
+
+
+def test_dp_prefill_fits_exactly_the_gpu_pool():
+    s = AddressSpace(DP, n_logical=256)
+    assert s.prefill_fits([40, 24]) and not s.prefill_fits([40, 25])
+    s.begin_round()
+    s.place(torch.arange(64))  # what prefill_fits admitted: every row GPU-resident
+    assert s.counters()[0]["spills"] == 0 and s.counters()[0]["place_overflow"] == 0
+    s.check_integrity()
+
+
+def test_dp_step_capacity():
+    s = AddressSpace(DP, n_logical=256)
+    s.check_step_capacity(2, 1, 31)  # 2 x (31 + 1) = 64 rows
+    with pytest.raises(ConfigError, match="one step's selections"):
+        s.check_step_capacity(2, 1, 32)
+
+
+def test_owned_counts_follow_positions():
+    assert owned_counts([5], 2) == [3, 2]
+    assert owned_counts([4, 3], 4) == [2, 2, 2, 1]
+    assert sum(owned_counts([17, 9, 1], 8)) == 27
+
+
+def test_tp_prefill_fits_each_ranks_share_and_its_buffer():
+    def body(peers):
+        s = TPAddressSpace(TP, peers, n_logical=256)
+        own_limit = s.prefill_fits([64])  # 32 own per rank, 32 peers' <= 40 buffer
+        too_many_own = s.prefill_fits([66])  # 33 own on rank 0
+        buffer_limit = s.prefill_fits([60]) and not s.prefill_fits([40, 40])  # 40 peers'
+        s.begin_round()
+        s.place(torch.arange(64))  # what was admitted: placed with no overflow anywhere
+        c, tp = s.counters()[0], s.tp_counters.tolist()[0]
+        s.check_integrity()
+        return own_limit, too_many_own, buffer_limit, c["place_overflow"], c["spills"], tp
+
+    for own_limit, too_many_own, buffer_limit, overflow, spills, _ in run_ranks(2, body):
+        assert own_limit and not too_many_own and buffer_limit
+        assert overflow == 0 and spills == 0
+
+
+def test_tp_step_capacity_needs_the_buffer_and_a_balanced_share():
+    def body(peers):
+        s = TPAddressSpace(TP, peers, n_logical=256)
+        s.check_step_capacity(2, 1, 19)  # 40 rows: the buffer exactly, 20 per rank
+        out = []
+        for args in ((2, 1, 20), (1, 2, 20)):  # 42 rows: more than the buffer
+            with pytest.raises(ConfigError, match="local buffer"):
+                s.check_step_capacity(*args)
+            out.append(True)
+        return out
+
+    assert run_ranks(2, body) == [[True, True], [True, True]]
