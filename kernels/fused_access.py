@@ -35,6 +35,7 @@ the torch path. Launches are counted (:func:`launch_count`) so tests can hold th
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -57,8 +58,8 @@ except ImportError:  # pragma: no cover - exercised where the [cuda] extra is ab
 INTERPRETED = triton is not None and isinstance(tl.standard.sum, InterpretedFunction)
 """Whether the kernels run under Triton's interpreter (fixed when Triton was imported)."""
 
-__all__ = ["available", "FusedAccess", "launch_count", "in_launch", "translate",
-           "equivalence_state", "LAUNCHES_PER_CALL"]
+__all__ = ["available", "FusedAccess", "launch", "launches_recorded", "launch_count",
+           "in_launch", "translate", "equivalence_state", "LAUNCHES_PER_CALL"]
 
 LAUNCHES_PER_CALL = 4
 _launches = 0
@@ -82,8 +83,29 @@ def in_launch() -> bool:
     return _launching
 
 
-def _launch(kernel, grid, *args, **meta) -> None:
+_recorder = None
+
+
+@contextlib.contextmanager
+def launches_recorded(record):
+    """While on (process-wide), every fused launch calls ``record(kernel, grid, *args,
+    **meta)`` instead of running: for tools that record launches without a device
+    (:mod:`ulacache.kernels.fused_compile`, ``ulacache rehearse`` on the meta device)."""
+    global _recorder
+    saved, _recorder = _recorder, record
+    try:
+        yield
+    finally:
+        _recorder = saved
+
+
+def launch(kernel, grid, *args, **meta) -> None:
+    """Launch one fused kernel (every fused module launches through here: counted, serialised
+    under the interpreter, recordable)."""
     global _launches, _launching
+    if _recorder is not None:
+        _recorder(kernel, grid, *args, **meta)
+        return
     if not INTERPRETED:
         _launches += 1
         kernel[grid](*args, **meta)
@@ -526,21 +548,21 @@ class FusedAccess:
         pol = self._policy_args()
         stamps = (p.round_of, p.epoch_of, p.round_t, p.epoch_t, p.entered)
         mode = dict(PLACE=place, BLOCK=self.BLOCK)
-        _launch(_k1_claim, grid, addrs, local, g.loc, g._claim, phys, status, g.counters, n, N,
+        launch(_k1_claim, grid, addrs, local, g.loc, g._claim, phys, status, g.counters, n, N,
                 n_global, rank, TPP=P, **mode)
-        _launch(_k2_first_touch, grid, local, g._claim, phys, status, block_want, victim,
+        launch(_k2_first_touch, grid, local, g._claim, phys, status, block_want, victim,
                 g.counters,
                 *pol, *stamps, n, N, G, self.w1, self.s1, self.h1, NB=self.nb, HY=p.hyper,
                 **mode)
         gw, cw = self.gpu_words, self.cpu_words
-        _launch(_k3_victims_move, grid, local, phys, status, block_want, victim, g.counters,
+        launch(_k3_victims_move, grid, local, phys, status, block_want, victim, g.counters,
                 *pol, p.epoch_t, g.loc, g.gpu_owner, g.cpu_owner, g.pools.cpu_free,
                 g.pools.cpu_top, gw, cw, gw.stride(0), gw.stride(1),
                 cw.stride(0), cw.stride(1), n, G, C, self.w1, self.s1, self.h1, p.n_super,
                 p.n_hyper, grid[0], NB=self.nb, RP=self.rp, L=gw.shape[0], RW=gw.shape[2],
                 HP=self.hp, HY=p.hyper, HYP2=_pow2(p.hyper), BP=_pow2(grid[0]),
                 CHUNK=self.CHUNK, SUB=self.SUB, **mode)
-        _launch(_k4_assign_translate, grid, local, status, victim,
+        launch(_k4_assign_translate, grid, local, status, victim,
                 out if out is not None else status, g.loc, g.pools.cpu_top, *pol, *stamps,
                 n, N, G, self.w1, self.s1, self.h1, row_base, NB=self.nb, HY=p.hyper, **mode)
 
@@ -557,7 +579,7 @@ def translate(loc: torch.Tensor, addrs: torch.Tensor, out: torch.Tensor, n_logic
     (``addrs`` flat contiguous ``int32|int64``, ``out`` ``int32`` of as many elements)."""
     n = addrs.numel()
     if n:
-        _launch(_translate, (-(-n // FusedAccess.BLOCK),), addrs, loc, out, n, n_logical,
+        launch(_translate, (-(-n // FusedAccess.BLOCK),), addrs, loc, out, n, n_logical,
                 gpu_slots, row_base, BLOCK=FusedAccess.BLOCK)
     return out
 

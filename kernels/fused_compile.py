@@ -50,8 +50,7 @@ def record_launches(n_layers: int = 2, gpu_slots: int = 4096, row_bytes: int = 6
                            row_bytes, "cpu", "pblru", 64, False, access_path="torch",
                            max_call=shape[0] * shape[1])
     fused = fa.FusedAccess(group)
-    saved, fa._launch = fa._launch, record
-    try:
+    with fa.launches_recorded(record):
         addrs = torch.zeros(shape, dtype=torch.int64).view(-1)
         fused.run(addrs, place=False, out=torch.empty(addrs.shape, dtype=torch.int32))
         fused.run(addrs, place=True, victim_out=torch.empty(addrs.shape, dtype=torch.int64))
@@ -76,8 +75,6 @@ def record_launches(n_layers: int = 2, gpu_slots: int = 4096, row_bytes: int = 6
 
         fused_policy.advance(PBLRUArena(2, gpu_slots, 64))  # a round start
         FusedRelease(group).run(addrs)
-    finally:
-        fa._launch = saved
     return calls
 
 

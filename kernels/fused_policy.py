@@ -97,7 +97,7 @@ def advance(arena) -> None:
     if any(p.bucket_fill != first.bucket_fill for p in arena.policies):
         raise ValueError("an arena's policies must share bucket_fill for the fused advance")
     # the row widths are compile-time: one geometry per arena
-    fused_access._launch(_advance_kernel, (len(arena),), bits, counts, supc, hypc, rowc,
+    fused_access.launch(_advance_kernel, (len(arena),), bits, counts, supc, hypc, rowc,
                          scalars, first.bucket_fill, WB=bits.shape[-1], WS=supc.shape[-1],
                          WH=hypc.shape[-1], NB=first.n_buckets, BLOCK=_BLOCK)
 

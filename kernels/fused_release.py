@@ -121,7 +121,7 @@ class FusedRelease:
         cslot, *_, block_push = self._scratch.get(n)
         grid = (-(-n // self.BLOCK),)
         N, G, C = g.n_logical, g.gpu_slots, g.cpu_slots
-        launch = fused_access._launch  # looked up per call: fused_compile records launches
+        launch = fused_access.launch  # looked up per call: fused_compile records launches
         launch(_claim_in_range, grid, addrs, g._claim, n, N, BLOCK=self.BLOCK)
         launch(_r2_drop, grid, addrs, g._claim, g.loc, g.gpu_owner, g.cpu_owner, cslot,
                block_push, g.pools.cpu_top, self._top0, g.counters, p.bits, p.counts,

@@ -186,7 +186,7 @@ class FusedGates:
         """G1 (needs nothing from the peers: issue it before the all-gather)."""
         n = addrs.numel()
         if n:
-            fa._launch(_claim_in_range, (-(-n // self.BLOCK),), addrs, self.b._claim, n,
+            fa.launch(_claim_in_range, (-(-n // self.BLOCK),), addrs, self.b._claim, n,
                        self.b.n_logical, BLOCK=self.BLOCK)
 
     def run(self, addrs: torch.Tensor, table: torch.Tensor, own: torch.Tensor,
@@ -206,17 +206,17 @@ class FusedGates:
         pol = (p.bits, p.counts, p.super_counts, p.hyper_counts, p.row_counts)
         stamps = (p.round_of, p.epoch_of, p.round_t, p.epoch_t, p.entered)
         N = b.n_logical
-        fa._launch(_g2_first_hits, grid, addrs, b._claim, table, b.slot_of, status, block_want,
+        fa.launch(_g2_first_hits, grid, addrs, b._claim, table, b.slot_of, status, block_want,
                    victim, *plan, counters, dp_counters, *pol, *stamps, n, N, self.P,
                    self.rank, self.w1,
                    self.s1, self.h1, NB=self.nb, HY=self.hy, BLOCK=self.BLOCK)
-        fa._launch(_g3_claim_slots, grid, addrs, table, status, block_want, victim, counters,
+        fa.launch(_g3_claim_slots, grid, addrs, table, status, block_want, victim, counters,
                    *pol, p.epoch_t, b.slot_of, b.holder, *plan, n, self.G, b.n_slots, self.P,
                    self.w1, self.s1, self.h1, p.n_super, p.n_hyper, NB=self.nb,
                    RP=fa._pow2(self.nb + 2), HP=fa._pow2(p.n_hyper), HY=self.hy,
                    HYP2=fa._pow2(self.hy), BP=fa._pow2(grid[0]), SUB=self.SUB,
                    BLOCK=self.BLOCK)
-        fa._launch(_g4_assign_rows, grid, addrs, own, victim, out, b.slot_of, *pol, *stamps,
+        fa.launch(_g4_assign_rows, grid, addrs, own, victim, out, b.slot_of, *pol, *stamps,
                    n, N, self.G, self.P, self.rank, self.w1, self.s1, self.h1, NB=self.nb,
                    HY=self.hy, BLOCK=self.BLOCK)
         return tuple(plan)

@@ -176,7 +176,7 @@ def _register(target: str, hook, hook_type_name: str) -> None:
         _expected.append(ExpectedHook(target, hook, hook_type_name.lower()))
 
 
-def _register_cli_hooks() -> None:
+def register_cli_hooks() -> None:
     """``--kv-backend`` / ``--ulacache-config`` and the validation wrapper."""
     from ulacache.patches.server_args import (  # noqa: PLC0415
         UlaServerArgs,
@@ -263,7 +263,7 @@ def register() -> None:
 
     if is_launcher():
         one_line_errors()
-    _register_cli_hooks()
+    register_cli_hooks()
     # the launcher runs plugins before it parses: there the command line says what was asked
     backend = selected_kv_backend() or argv_kv_backend()
     if backend == "ulacache":

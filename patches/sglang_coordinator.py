@@ -236,7 +236,7 @@ class UlaCacheCoordinator(HiSparseCoordinator):
         slots = self._serve_anchor(gi, layer_id, torch.where(valid, addrs, -1))
         self._anchor_step[gi] = (self.core.round_serial, n)
         out = self._rows_out[gi][:n]
-        out.copy_(torch.where(slots >= 0, slots + self.page_size, -1))
+        out.copy_(torch.where(slots >= 0, slots + self.mem_pool_device.ula_rows.row_base, -1))
         return out.view(shape)
 
     def _serve_anchor(self, gi: int, layer_id: int, addrs: torch.Tensor) -> torch.Tensor:

@@ -1,13 +1,10 @@
 """ulacache's stand-in for SGLang's ``HiSparseDSATokenToKVPool``: ``kv_buffer`` rows are the
 core's GPU pools.
 
-One tensor per selection group ``[L_g, N + 2P, 1, kv_cache_dim]``. Region table of
-``kv_buffer[layer]`` rows::
-
-    [0, P)            padding sink (SGLang writes dummy tokens here)
-    [P, P + N)        GPU slot (row - P) of the layer's selection group
-    [P + N, N + 2P)   tail page; row P + N is the core's scratch row (the extra page keeps the
-                      row count a multiple of 64 for FlashMLA)
+One tensor per selection group ``[L_g, N + 2P, 1, kv_cache_dim]``, rows laid out by
+:class:`ulacache.layout.PoolRows` (``ula_rows``): the padding sink page ``[0, P)``, GPU slot
+``s`` at row ``P + s``, the core's scratch row ``P + N``, the rest of that tail page (row
+counts stay a multiple of 64 for FlashMLA).
 
 Writes and the prefill page table are translated per selection group; the core is an
 :class:`~ulacache.space.AddressSpace` over SGLang's logical addresses (SGLang's paged allocator
@@ -26,7 +23,7 @@ from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, unwrap_write_loc
 
 from ulacache.config import SGLangOptions, UlaCacheConfig
 from ulacache.errors import StaleSelectionError
-from ulacache.layout import RowLayout
+from ulacache.layout import PoolRows, RowLayout
 from ulacache.space import AddressSpace
 from ulacache.streams import capturing
 
@@ -108,6 +105,7 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
                  ulacache_options: SGLangOptions | None = None):
         self.ula_options = ulacache_options or sglang_options()
         self.ula_groups = layer_groups_from_skip(skip_topk_layers, layer_num, start_layer or 0)
+        self.ula_rows = PoolRows(page_size, size)  # read by _create_buffers, called below
         super().__init__(size, page_size, kv_lora_rank, dtype, qk_rope_head_dim, layer_num,
                          device, index_head_dim, enable_memory_saver, kv_cache_dim,
                          start_layer=start_layer, end_layer=end_layer, index_kpool=index_kpool,
@@ -125,8 +123,9 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
                              max_requests=max(1, max_running_requests or 1),
                              n_buckets=opts.n_buckets, policy=opts.policy, validate=opts.validate,
                              access_path=opts.access_path, call_entries=opts.call_entries)
-        P, rb = page_size, row.row_bytes
-        storage = [big.view(torch.uint8).view(big.shape[0], big.shape[1], rb)[:, P: P + size + 1]
+        rb, rows = row.row_bytes, self.ula_rows
+        storage = [big.view(torch.uint8).view(big.shape[0], big.shape[1], rb)
+                   [:, rows.row_base: rows.row_base + rows.core_rows]
                    for big in self._group_buffers]
         layer_ids = [[x - self.start_layer for x in g] for g in self.ula_groups]
         self.core = AddressSpace(cfg, self.device, n_logical=size * ratio + page_size,
@@ -149,7 +148,7 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
         with saver.region(GPU_MEMORY_TYPE_KV_CACHE) if saver is not None else nullcontext():
             with torch.cuda.use_mem_pool(pool) if pool else nullcontext():
                 self._group_buffers = [
-                    torch.zeros((len(g), self.size + 2 * self.page_size, 1, self.kv_cache_dim),
+                    torch.zeros((len(g), self.ula_rows.total, 1, self.kv_cache_dim),
                                 dtype=self.store_dtype, device=self.device)
                     for g in self.ula_groups]
         self.kv_buffer = [buf[i] for buf in self._group_buffers for i in range(buf.shape[0])]
@@ -173,7 +172,8 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
         flat = loc.reshape(-1).to(torch.int64)
         ok = (flat >= self.page_size) & (flat < g.n_logical)
         slot = g.loc[torch.where(ok, flat, g.n_logical)]
-        rows = torch.where(ok & (slot >= 0) & (slot < g.gpu_slots), slot + self.page_size, 0)
+        rows = torch.where(ok & (slot >= 0) & (slot < g.gpu_slots),
+                           slot + self.ula_rows.row_base, 0)
         return rows.view(loc.shape)
 
     def prefill_rows(self, layer_id: int, page_table: torch.Tensor) -> torch.Tensor:
@@ -201,7 +201,7 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
             src = src.view(1, -1).to(torch.int64)
             sink = (src >= 0) & (src < self.page_size)
             slots = self._prefill_slots(gi, layer_id, anchor, torch.where(sink, -1, src))
-            dst.copy_(torch.where(slots >= 0, slots + self.page_size,
+            dst.copy_(torch.where(slots >= 0, slots + self.ula_rows.row_base,
                                   torch.where(sink, 0, -1)).view(-1))
         if anchor:
             self._prefill_round[gi] = self.core.round_serial

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ulacache.layout import PoolRows
 from ulacache.sizing import coordinator_output_bytes, table_bytes_per_slot
 
 from . import sglang_tp_support as tps
@@ -94,12 +95,14 @@ def pool_configurator_init_around(original_fn, self, kvc, *args, **kwargs):
                                      int(top_k or tps.DEFAULT_TOP_K), tps.draft_tokens())
         latent = row * layers
         self._cell_size -= latent - math.ceil(latent / P)
-        # rows per layer beside the N / P own rows: sink page, scratch, B buffer rows and the
-        # padding to a whole page (sglang_tp_pool: ceil((page + G + 1 + B) / page) pages)
-        rows_bytes = (B + 2 * page) * layers * row
+        # rows per layer beside the N / P own rows (PoolRows: sink page, scratch, B buffer rows,
+        # padding to a whole page); the stock latent, its padding page included, is gone
+        rows_bytes = PoolRows.most_beside_slots(page, B) * layers * row
         tps.SIZED.update(buffer_slots=B, tp_size=P)
     else:
-        rows_bytes = page * layers * row  # the pool's tail page (sglang_pool._create_buffers)
+        # rows per layer beside the N the stock cell charges (PoolRows), less the stock pool's
+        # own padding page, which stock SGLang does not charge either: the tail page
+        rows_bytes = (PoolRows.most_beside_slots(page) - page) * layers * row
     groups = pool_layer_groups(kvc)
     per_token, fixed = table_bytes_per_slot(
         len(groups), ratio=opts.host_to_device_ratio, page_size=page, n_buckets=opts.n_buckets,

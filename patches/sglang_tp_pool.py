@@ -8,7 +8,8 @@ count; each rank holds ``G = N / P`` own GPU rows and ``(ratio - 1) x G`` CPU ro
 
 One tensor per selection group, ``uint8 [L_g, R, row_bytes]`` allocated through the peers
 (POSIX shared memory on CPU, CUDA IPC on GPU) so that peers can read it; ``kv_buffer[layer]``
-is its ``[R, 1, kv_cache_dim]`` view in SGLang's store dtype. Rows::
+is its ``[R, 1, kv_cache_dim]`` view in SGLang's store dtype. Rows (``ula_rows``, a
+:class:`ulacache.layout.PoolRows`)::
 
     [0, 64)                    padding sink (SGLang's page 0; dummy writes land here)
     [64, 64 + G)               own GPU slot (row - 64) of the layer's selection group
@@ -30,7 +31,7 @@ import torch
 
 from ulacache.config import SGLangOptions, UlaCacheConfig
 from ulacache.errors import ConfigError, StaleSelectionError
-from ulacache.layout import RowLayout
+from ulacache.layout import PoolRows, RowLayout
 from ulacache.streams import capturing
 from ulacache.tp import TPAddressSpace
 
@@ -92,8 +93,7 @@ class UlaCacheTPDSATokenToKVPool(UlaCacheDSATokenToKVPool):
         else:
             B = tps.resolve_buffer_slots(opts, max_running_requests,
                                          ulacache_top_k or tps.DEFAULT_TOP_K, tps.draft_tokens())
-        self.ula_gpu_rows, self.ula_buffer_rows = G, B
-        self.ula_rows = -(-(page_size + G + 1 + B) // page_size) * page_size
+        self.ula_rows = PoolRows(page_size, G, B)  # read by _create_buffers, called below
         self.ula_peers = ulacache_peers or make_tp_peers(grp, device)
         # SGLang's own pool constructor, skipping the DP pool's (which builds a DP core). Not
         # ``HiSparseDSATokenToKVPool.__init__`` by name: under the plugin that name is bound to
@@ -117,7 +117,7 @@ class UlaCacheTPDSATokenToKVPool(UlaCacheDSATokenToKVPool):
         layer_ids = [[x - self.start_layer for x in g] for g in self.ula_groups]
         self.core = TPAddressSpace(cfg, self.ula_peers, n_logical=size * ratio + page_size,
                                    layer_groups=layer_ids, storage=self._ula_storage,
-                                   row_offset=page_size)
+                                   row_offset=self.ula_rows.row_base)
         self._prefill_round = [-1] * len(self.ula_groups)
         self.current_layer_id = self.start_layer  # set by the forward_extend hook
         tps.ACTIVE.update(group=grp, shard_indexer=opts.shard_indexer)
@@ -126,8 +126,8 @@ class UlaCacheTPDSATokenToKVPool(UlaCacheDSATokenToKVPool):
             "ulacache TP pool: rank %d/%d, %d selection group(s) x %d layers; own GPU %d slots, "
             "buffer %d rows, %d rows per layer (%.2f GiB GPU); CPU %d slots (%.2f GiB host); "
             "%d logical tokens over the group; index-K replicated; shard_indexer %s", rank, P,
-            len(self.ula_groups), layer_num, G, B, self.ula_rows,
-            self.ula_rows * layer_num * rb / 2**30, cfg.cpu_slots,
+            len(self.ula_groups), layer_num, G, B, self.ula_rows.total,
+            self.ula_rows.total * layer_num * rb / 2**30, cfg.cpu_slots,
             cfg.cpu_slots * layer_num * rb / 2**30, size * ratio, opts.shard_indexer)
 
     def _create_buffers(self) -> None:
@@ -137,10 +137,11 @@ class UlaCacheTPDSATokenToKVPool(UlaCacheDSATokenToKVPool):
         self._ula_storage, self._group_buffers = [], []
         for gi, g in enumerate(self.ula_groups):
             name = f"kv_group{gi}"
-            t = self.ula_peers.alloc_shared(name, (len(g), self.ula_rows, rb), torch.uint8)
+            t = self.ula_peers.alloc_shared(name, (len(g), self.ula_rows.total, rb),
+                                            torch.uint8)
             self._ula_storage.append((name, t))
             self._group_buffers.append(
-                t.view(self.store_dtype).view(len(g), self.ula_rows, 1, self.kv_cache_dim))
+                t.view(self.store_dtype).view(len(g), self.ula_rows.total, 1, self.kv_cache_dim))
         self.kv_buffer = [buf[i] for buf in self._group_buffers for i in range(buf.shape[0])]
 
     # -- translation ---------------------------------------------------------------------
@@ -152,7 +153,7 @@ class UlaCacheTPDSATokenToKVPool(UlaCacheDSATokenToKVPool):
         flat = loc.reshape(-1).to(torch.int64)
         ok = (flat >= self.page_size) & (flat < self.core.n_logical)
         rows = self.core.translate(gi, torch.where(ok, flat, -1)).to(torch.int64)
-        return torch.where(rows >= 0, rows + self.page_size, 0).view(loc.shape)
+        return torch.where(rows >= 0, rows + self.ula_rows.row_base, 0).view(loc.shape)
 
     def _prefill_slots(self, gi: int, layer_id: int, anchor: bool, addrs: torch.Tensor
                        ) -> torch.Tensor:

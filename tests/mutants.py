@@ -219,6 +219,22 @@ PIECES_MUTANTS = [  # calls larger than the scratch, taken in pieces in one roun
      "pieces one entry larger than the scratch"),
 ]
 
+INTERFACE_TESTS = ["tests/test_core_interface.py"]
+INTERFACE_MUTANTS = [  # the mode differences the seam asks the core, and the pool's rows
+    (H, "        return sum(seq_lens) <= self.config.gpu_slots",
+     "        return sum(seq_lens) < self.config.gpu_slots",
+     "DP prefill_fits refuses a batch that exactly fills the pool"),
+    (TPF, "sum(seq_lens) - min(own) <= self.buffer_slots",
+     "sum(seq_lens) - max(own) <= self.buffer_slots",
+     "TP prefill_fits counts the peers' share of the rank owning most"),
+    (H, "        worst = requests * steps * (top_k + 1)\n        if self.config.gpu_slots",
+     "        worst = requests * steps * top_k\n        if self.config.gpu_slots",
+     "DP step capacity forgets the new token"),
+    ("ulacache/layout.py", "return -(-(self.page + self.core_rows) // self.page) * self.page",
+     "return (self.page + self.core_rows) // self.page * self.page",
+     "pool rows rounded down: the scratch row or buffer cut off"),
+]
+
 CONFTEST = '''
 from hypothesis import Phase
 settings.register_profile("mutation", derandomize=True, deadline=None,
@@ -242,7 +258,8 @@ def main() -> int:
                   "fused_tp": [(*m, FUSED_TP_TESTS) for m in FUSED_TP_MUTANTS],
                   "fused_round": [(*m, FUSED_ROUND_TESTS) for m in FUSED_ROUND_MUTANTS],
                   "hostile": [(*m, HOSTILE_TESTS) for m in HOSTILE_MUTANTS],
-                  "pieces": [(*m, PIECES_TESTS) for m in PIECES_MUTANTS]}
+                  "pieces": [(*m, PIECES_TESTS) for m in PIECES_MUTANTS],
+                  "interface": [(*m, INTERFACE_TESTS) for m in INTERFACE_MUTANTS]}
         chosen = sys.argv[1:] or list(suites)
         if set(chosen) - set(suites):
             print(f"usage: python tests/mutants.py [{' | '.join(suites)}] ...")

@@ -79,3 +79,36 @@ def test_tp_step_capacity_needs_the_buffer_and_a_balanced_share():
         return out
 
     assert run_ranks(2, body) == [[True, True], [True, True]]
+
+
+@pytest.mark.parametrize("page,G,B", [(64, 4096, 0), (64, 39424, 131136), (4, 7, 3), (64, 1, 0)])
+def test_pool_rows_lay_out_sink_slots_scratch_buffer_and_padding(page, G, B):
+    from ulacache.layout import PoolRows
+
+    r = PoolRows(page, G, B)
+    assert r.row_base == page and r.core_rows == G + 1 + B
+    assert r.total % page == 0 and r.total >= page + G + 1 + B > r.total - page
+    assert r.total - G <= PoolRows.most_beside_slots(page, B)  # what the sizing hook charges
+    if B == 0 and G % page == 0:
+        assert r.total == G + 2 * page  # DP: sink page, slots, tail page with the scratch row
+
+
+def test_pool_rows_refuse_an_empty_pool():
+    from ulacache.layout import PoolRows
+
+    with pytest.raises(ConfigError):
+        PoolRows(64, 0)
+
+
+def test_tp_prefill_fits_the_rank_with_the_most_peers_rows():
+    """Odd lengths own unevenly: the rank owning fewest copies the most peers' rows."""
+    cfg = UlaCacheConfig(layout="tiny", row_bytes=16, n_layers=1, gpu_slots=32, cpu_slots=96,
+                         page_size=4, n_buckets=4, tp_size=2, buffer_slots=24, validate=False)
+
+    def body(peers):
+        s = TPAddressSpace(cfg, peers, n_logical=256)
+        # 47 tokens: own [24, 23], rank 1 copies 24 peers' rows (the buffer exactly);
+        # 49 tokens: own [25, 24], rank 1 would copy 25
+        return s.prefill_fits([47]), s.prefill_fits([49])
+
+    assert run_ranks(2, body) == [(True, False), (True, False)]

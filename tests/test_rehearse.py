@@ -2,17 +2,21 @@
 ``sglang``: it builds SGLang 0.5.23's configurator and ulacache's real pool, allocator and
 coordinator on the meta device).
 
-Each combination runs ``ulacache rehearse --json`` in its own process (publishing server args
-is process-global) and must fit: start-up allocations within SGLang's KV budget (up to SGLang's
-own padding pages), the CPU tier within the host budget, every call's transient peak within the
-memory outside the static pool, on the fused access path. The ratios are ``bench/capacity.py``'s
-picks, except B300 DP, where its pick (cpu_ratio 2) assumes a pool capped below SGLang's budget:
-a real launch sizes the pool from the whole budget and its CPU tier overflows the host (checked
-below as a refusal). TP runs the prefill through 4 of the layers (same shapes in every layer;
-all layers take minutes on the meta device).
+The rehearsals run in two child processes (publishing server args is process-global; one
+import of SGLang each), DP and TP, each pinned to one xdist worker (``xdist_group``: CI runs
+``--dist loadgroup``). Each combination must fit: start-up allocations within SGLang's KV
+budget (up to SGLang's own padding pages), the CPU tier within the host budget, every call's
+transient peak within the memory outside the static pool, nothing left allocated after a call,
+no device value read, on the fused access path. The ratios are ``bench/capacity.py``'s picks,
+except B300 DP, where its pick (cpu_ratio 2) assumes a pool capped below SGLang's budget: a real
+launch sizes the pool from the whole budget and its CPU tier overflows the host (a refusal
+below). TP runs the prefill through 2 of the layers, the first and the last (same shapes in
+every layer; a call that left memory behind is caught whatever the number of layers; all
+layers take minutes).
 
-Refusals: a CPU tier over the host budget, a headroom smaller than a call's transient peak and a
-pool too small for one step's selections each exit 1 with a line naming what does not fit.
+Refusals: a CPU tier over the host budget (through the command line: exit 1, one line naming
+it), a headroom smaller than a call's transient peak, and a pool too small for one step's
+selections.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -34,23 +39,49 @@ RATIOS = {("glm-5", "h200", "dp"): 11, ("glm-5", "h200", "tp"): 11,
           ("deepseek-v3.2", "b300", "dp"): 1, ("deepseek-v3.2", "b300", "tp"): 159}
 RUNNING = 32  # requests per attention worker
 MIB = 2**20
+ENV = dict(os.environ, HF_HUB_OFFLINE="1")
 
 
-def rehearse(model: str, gpu: str, mode: str, *extra: str, config: dict | None = None
-             ) -> tuple[int, dict | None, str]:
-    cfg = config if config is not None else {"cpu_ratio": RATIOS[(model, gpu, mode)]}
-    argv = [sys.executable, "-m", "ulacache.tools.cli", "rehearse", "--model", model, "--gpu",
-            gpu, "--mode", mode, "--ulacache-config", json.dumps(cfg), "--max-running-requests",
-            str(RUNNING * (8 if mode == "dp" else 1)), "--json", *extra]
-    if mode == "tp":
-        argv += ["--prefill-layers", "4"]
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    p = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=env)
-    try:
-        report = json.loads(p.stdout)
-    except json.JSONDecodeError:
-        report = None
-    return p.returncode, report, p.stderr[-3000:]
+def plan(model, gpu, mode, config=None, **kw) -> dict:
+    return dict(model=model, gpu=gpu, mode=mode,
+                ulacache_config=config or {"cpu_ratio": RATIOS[(model, gpu, mode)]},
+                max_running_requests=RUNNING * (8 if mode == "dp" else 1),
+                prefill_layers=2 if mode == "tp" else 0, **kw)
+
+
+BATCHES = {
+    "dp": {**{f"{m}/{g}": plan(m, g, "dp") for (m, g, mode) in RATIOS if mode == "dp"},
+           "draft": plan("glm-5", "h200", "dp", {"cpu_ratio": 4}, draft_tokens=3),
+           "headroom": plan("deepseek-v3.2", "h200", "dp", {"cpu_ratio": 4},
+                            mem_fraction_static=0.99995),
+           "small pool": plan("glm-5", "h200", "dp", {"cpu_ratio": 40})},
+    "tp": {f"{m}/{g}": plan(m, g, "tp") for (m, g, mode) in RATIOS if mode == "tp"},
+}
+
+_CHILD = textwrap.dedent("""
+    import json, logging, sys
+    logging.disable(logging.WARNING)
+    from ulacache.tools.rehearse import Plan, rehearse
+    plans = json.loads(sys.stdin.read())
+    print(json.dumps({name: rehearse(Plan(**kw)) for name, kw in plans.items()}))
+""")
+
+
+def run_batch(name: str) -> dict:
+    p = subprocess.run([sys.executable, "-c", _CHILD], input=json.dumps(BATCHES[name]),
+                       capture_output=True, text=True, timeout=1500, env=ENV)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout)
+
+
+@pytest.fixture(scope="module")
+def dp_reports():
+    return run_batch("dp")
+
+
+@pytest.fixture(scope="module")
+def tp_reports():
+    return run_batch("tp")
 
 
 def check_fits(report: dict) -> None:
@@ -62,49 +93,65 @@ def check_fits(report: dict) -> None:
     assert 0 < report["transient_peak"] < report["headroom"]
     assert report["headroom_left"] > 0
     # the persistent scratch is allocated once at start-up and charged: a call's transient
-    # peak stays far below one 2^24-entry scratch (~470 MB), the pre-issue-20 growth
+    # peak stays far below one 2^24-entry scratch (~470 MB), the pre-issue-20 growth, and no
+    # call leaves memory behind
     assert report["transient_peak"] < 400 * MIB
-    phases = set(report["transient"])
-    assert {"prefill", "decode", "finish", "abort"} <= phases
+    assert max(report["retained"].values()) <= 1 * MIB
+    assert {"prefill", "decode", "finish", "abort"} <= set(report["transient"])
     assert any("fused._scratch" in name or "_gates" in name for name in report["allocations"])
     # production mode reads no device value on any of these paths (a read is a host sync: it
     # would stall the scheduler's CPU side under overlap scheduling)
     assert report["value_reads"] == {}
 
 
-@pytest.mark.parametrize("model,gpu,mode", sorted(RATIOS))
-def test_every_combination_fits(model, gpu, mode):
-    rc, report, err = rehearse(model, gpu, mode)
-    assert report is not None, err
+DP_NAMES = sorted(k for k in BATCHES["dp"] if "/" in k)
+TP_NAMES = sorted(BATCHES["tp"])
+
+
+@pytest.mark.xdist_group("rehearse_dp")
+@pytest.mark.parametrize("name", DP_NAMES)
+def test_every_dp_combination_fits(dp_reports, name):
+    report = dp_reports[name]
     check_fits(report)
-    assert rc == 0
-    cfg = report["config"]
-    assert cfg["chunk_tokens"] == (8192 if gpu == "h200" else 16384) // (8 if mode == "dp" else 1)
+    assert report["config"]["chunk_tokens"] == (8192 if "h200" in name else 16384) // 8
 
 
-def test_draft_tokens_add_a_verify_batch():
-    rc, report, err = rehearse("glm-5", "h200", "dp", "--speculative-num-draft-tokens", "3",
-                               config={"cpu_ratio": 4})
-    assert report is not None, err
+@pytest.mark.xdist_group("rehearse_tp")
+@pytest.mark.parametrize("name", TP_NAMES)
+def test_every_tp_combination_fits(tp_reports, name):
+    report = tp_reports[name]
+    check_fits(report)
+    assert report["config"]["chunk_tokens"] == (8192 if "h200" in name else 16384)
+
+
+@pytest.mark.xdist_group("rehearse_dp")
+def test_draft_tokens_add_a_verify_batch(dp_reports):
+    report = dp_reports["draft"]
     check_fits(report)
     assert "verify" in report["transient"] and report["config"]["steps"] == 3
-    assert rc == 0
 
 
-def test_cpu_tier_over_the_host_budget_is_refused():
-    rc, report, _ = rehearse("glm-5", "b300", "dp", config={"cpu_ratio": 2})
-    assert rc == 1 and not report["ok"]
-    assert any("CPU tier" in f and "host budget" in f for f in report["fails"])
-
-
-def test_transient_peak_over_the_headroom_is_refused_naming_the_call():
-    rc, report, _ = rehearse("deepseek-v3.2", "h200", "dp", "--mem-fraction-static", "0.99995",
-                             config={"cpu_ratio": 4})
-    assert rc == 1 and not report["ok"]
+@pytest.mark.xdist_group("rehearse_dp")
+def test_transient_peak_over_the_headroom_is_refused_naming_the_call(dp_reports):
+    report = dp_reports["headroom"]
+    assert not report["ok"]
     assert any("transient peak" in f and "outside the static pool" in f for f in report["fails"])
 
 
-def test_pool_too_small_for_a_step_does_not_start():
-    rc, report, _ = rehearse("glm-5", "h200", "dp", config={"cpu_ratio": 40})
-    assert rc == 1 and not report["ok"]
+@pytest.mark.xdist_group("rehearse_dp")
+def test_pool_too_small_for_a_step_does_not_start(dp_reports):
+    report = dp_reports["small pool"]
+    assert not report["ok"]
     assert any("one step's selections" in f for f in report["fails"])
+
+
+@pytest.mark.xdist_group("rehearse_tp")
+def test_cli_refuses_a_cpu_tier_over_the_host_budget_in_one_line():
+    p = subprocess.run(
+        [sys.executable, "-m", "ulacache.tools.cli", "rehearse", "--model", "glm-5", "--gpu",
+         "b300", "--mode", "dp", "--ulacache-config", '{"cpu_ratio": 2}',
+         "--max-running-requests", "256"],
+        capture_output=True, text=True, timeout=900, env=ENV)
+    assert p.returncode == 1
+    last = p.stdout.strip().splitlines()[-1]
+    assert last.startswith("  DOES NOT FIT:") and "CPU tier" in last and "host budget" in last

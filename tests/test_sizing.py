@@ -128,11 +128,11 @@ def test_start_up_check_refuses_exactly_past_the_formula(monkeypatch):
     assert tables > table_bytes(3, n_logical=n, gpu_slots=500, cpu_slots=1500, n_buckets=16,
                                 call_scratch=False)[1]  # the fused scratch is charged too
     gpu_pool = 3 * 501 * 8
-    meta = torch.device("meta")  # a "device" distinct from the host, so the two are checked apart
+    gpu = torch.device("cuda")  # only named (free_bytes is replaced): distinct from the host
     monkeypatch.setattr(space_mod, "free_bytes",
-                        lambda dev: avail if dev.type == "meta" else None)
+                        lambda dev: avail if dev.type == "cuda" else None)
     probe = object.__new__(AddressSpace)
-    probe.config, probe.device, probe.n_logical = cfg, meta, n
+    probe.config, probe.device, probe.n_logical = cfg, gpu, n
     groups = [[0], [1], [2]]
     avail = gpu_pool + tables
     probe._check_memory(groups, engine_pools=False)

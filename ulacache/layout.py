@@ -77,3 +77,52 @@ class RowLayout:
             if RowLayout.named(name).row_bytes == row_bytes:
                 return RowLayout.named(name)
         return RowLayout("tiny", row_bytes)
+
+
+@dataclass(frozen=True)
+class PoolRows:
+    """The rows of one layer of an engine's KV tensor (SGLang's ``kv_buffer[layer]``) as
+    ulacache's pools lay them out, in DP and TP mode alike; the pool, the coordinator and the
+    sizing hook all read them from here::
+
+        [0, page)                          the engine's padding sink page (its dummy writes, and
+                                           the reads of the sink page's addresses)
+        [page, page + G)                   GPU slot s at row page + s (``row_base``)
+        page + G                           the core's scratch row
+        [page + G + 1, page + G + 1 + B)   buffer slot b (TP mode): a copy of a peer's row
+        [page + G + 1 + B, total)          padding to whole pages (FlashMLA reads 64-row pages)
+
+    ``G`` = ``gpu_slots`` (DP: the pool; TP: this rank's own rows), ``B`` = ``buffer_slots``
+    (0 in DP mode). The core sees rows ``[row_base, row_base + core_rows)`` and numbers them
+    from 0.
+    """
+
+    page: int
+    gpu_slots: int
+    buffer_slots: int = 0
+
+    def __post_init__(self) -> None:
+        if self.page < 1 or self.gpu_slots < 1 or self.buffer_slots < 0:
+            raise ConfigError(f"PoolRows needs page >= 1, gpu_slots >= 1, buffer_slots >= 0; "
+                              f"got {self.page}, {self.gpu_slots}, {self.buffer_slots}")
+
+    @property
+    def row_base(self) -> int:
+        """Row of GPU slot 0: the core's row ids plus this are ``kv_buffer`` rows."""
+        return self.page
+
+    @property
+    def core_rows(self) -> int:
+        """Rows the core owns: GPU slots, the scratch row, buffer slots."""
+        return self.gpu_slots + 1 + self.buffer_slots
+
+    @property
+    def total(self) -> int:
+        """Rows per layer the pool allocates: sink page + core rows, rounded up to pages."""
+        return -(-(self.page + self.core_rows) // self.page) * self.page
+
+    @staticmethod
+    def most_beside_slots(page: int, buffer_slots: int = 0) -> int:
+        """The most ``total - gpu_slots`` can be, whatever ``gpu_slots`` turns out to be (the
+        sizing hook runs before SGLang picks it): ``buffer_slots + 2 x page``."""
+        return buffer_slots + 2 * page

@@ -135,7 +135,7 @@ def install_plugin() -> None:
 
     from ulacache.patches import plugin
 
-    plugin._register_cli_hooks()
+    plugin.register_cli_hooks()
     plugin.register_class_swaps()
     HookRegistry.apply_hooks()
     plugin.verify()
@@ -478,16 +478,12 @@ def kernels_recorded():
     except ImportError:
         yield
         return
-    saved = fa._launch
 
     def record(kernel, grid, *args, **meta):
         LAUNCHES[threading.current_thread().name] += 1
 
-    fa._launch = record
-    try:
+    with fa.launches_recorded(record):
         yield
-    finally:
-        fa._launch = saved
 
 
 def sizing_group(plan: Plan):
