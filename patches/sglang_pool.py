@@ -115,15 +115,8 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
                          skip_topk_layers=skip_topk_layers,
                          host_to_device_ratio=host_to_device_ratio)
         ratio = int(host_to_device_ratio)
-        row = RowLayout.of_size(self.kv_cache_dim * torch._utils._element_size(self.store_dtype))
-        opts = self.ula_options
-        cfg = UlaCacheConfig(layout=row.name, row_bytes=row.row_bytes if row.name == "tiny"
-                             else None, n_layers=layer_num, gpu_slots=size,
-                             cpu_slots=(ratio - 1) * size, page_size=page_size,
-                             max_requests=max(1, max_running_requests or 1),
-                             n_buckets=opts.n_buckets, policy=opts.policy, validate=opts.validate,
-                             access_path=opts.access_path, call_entries=opts.call_entries)
-        rb, rows = row.row_bytes, self.ula_rows
+        cfg = self.core_config(size, ratio, max_running_requests)
+        rb, rows = cfg.row_layout.row_bytes, self.ula_rows
         storage = [big.view(torch.uint8).view(big.shape[0], big.shape[1], rb)
                    [:, rows.row_base: rows.row_base + rows.core_rows]
                    for big in self._group_buffers]
@@ -137,6 +130,22 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
                     "CPU %d slots (%.2f GiB pinned host); logical/indexer capacity %d tokens",
                     len(self.ula_groups), size, layer_num, rb, cfg.cpu_slots, host_gib,
                     size * ratio)
+
+    def core_config(self, gpu_slots: int, host_to_device_ratio: int,
+                    max_running_requests: int | None, **tp) -> UlaCacheConfig:
+        """The core's configuration for this pool, in both modes: rows in SGLang's store
+        format, ``gpu_slots`` GPU and ``(ratio - 1) x gpu_slots`` CPU slots per group and
+        layer, the ``--ulacache-config`` options; TP mode adds ``tp_size``, ``buffer_slots``
+        and ``shard_indexer`` through ``tp``."""
+        row = RowLayout.of_size(self.kv_cache_dim * torch._utils._element_size(self.store_dtype))
+        opts = self.ula_options
+        return UlaCacheConfig(
+            layout=row.name, row_bytes=row.row_bytes if row.name == "tiny" else None,
+            n_layers=self.layer_num, gpu_slots=gpu_slots,
+            cpu_slots=(int(host_to_device_ratio) - 1) * gpu_slots, page_size=self.page_size,
+            max_requests=max(1, max_running_requests or 1), n_buckets=opts.n_buckets,
+            policy=opts.policy, validate=opts.validate, access_path=opts.access_path,
+            call_entries=opts.call_entries, **tp)
 
     def _create_buffers(self) -> None:
         """One tensor per selection group so a group's layers move in one launch; two extra

@@ -98,7 +98,7 @@ def pool_configurator_init_around(original_fn, self, kvc, *args, **kwargs):
         # rows per layer beside the N / P own rows (PoolRows: sink page, scratch, B buffer rows,
         # padding to a whole page); the stock latent, its padding page included, is gone
         rows_bytes = PoolRows.most_beside_slots(page, B) * layers * row
-        tps.SIZED.update(buffer_slots=B, tp_size=P)
+        tps.SIZED = tps.TPSizing(tp_size=P, buffer_slots=B)
     else:
         # rows per layer beside the N the stock cell charges (PoolRows), less the stock pool's
         # own padding page, which stock SGLang does not charge either: the tail page

@@ -29,9 +29,9 @@ import logging
 
 import torch
 
-from ulacache.config import SGLangOptions, UlaCacheConfig
+from ulacache.config import SGLangOptions
 from ulacache.errors import ConfigError, StaleSelectionError
-from ulacache.layout import PoolRows, RowLayout
+from ulacache.layout import PoolRows
 from ulacache.streams import capturing
 from ulacache.tp import TPAddressSpace
 
@@ -88,8 +88,9 @@ class UlaCacheTPDSATokenToKVPool(UlaCacheDSATokenToKVPool):
         self.ula_P, self.ula_rank = P, rank
         self.ula_groups = layer_groups_from_skip(skip_topk_layers, layer_num, start_layer or 0)
         G = size // P
-        if opts.buffer_slots is None and tps.SIZED.get("tp_size") == P:
-            B = tps.SIZED["buffer_slots"]  # exactly what the sizing hook charged
+        sized = tps.SIZED
+        if opts.buffer_slots is None and sized is not None and sized.tp_size == P:
+            B = sized.buffer_slots  # exactly what the sizing hook charged
         else:
             B = tps.resolve_buffer_slots(opts, max_running_requests,
                                          ulacache_top_k or tps.DEFAULT_TOP_K, tps.draft_tokens())
@@ -106,22 +107,16 @@ class UlaCacheTPDSATokenToKVPool(UlaCacheDSATokenToKVPool):
             max_running_requests=max_running_requests, skip_topk_layers=skip_topk_layers,
             host_to_device_ratio=host_to_device_ratio)
         ratio = int(host_to_device_ratio)
-        row = RowLayout.of_size(self.kv_cache_dim * torch._utils._element_size(self.store_dtype))
-        cfg = UlaCacheConfig(layout=row.name, row_bytes=row.row_bytes if row.name == "tiny"
-                             else None, n_layers=layer_num, gpu_slots=G,
-                             cpu_slots=(ratio - 1) * G, page_size=page_size,
-                             max_requests=max(1, max_running_requests or 1),
-                             n_buckets=opts.n_buckets, policy=opts.policy, validate=opts.validate,
-                             access_path=opts.access_path, call_entries=opts.call_entries,
-                             tp_size=P, buffer_slots=B, shard_indexer=opts.shard_indexer)
+        cfg = self.core_config(G, ratio, max_running_requests, tp_size=P, buffer_slots=B,
+                               shard_indexer=opts.shard_indexer)
         layer_ids = [[x - self.start_layer for x in g] for g in self.ula_groups]
         self.core = TPAddressSpace(cfg, self.ula_peers, n_logical=size * ratio + page_size,
                                    layer_groups=layer_ids, storage=self._ula_storage,
                                    row_offset=self.ula_rows.row_base)
         self._prefill_round = [-1] * len(self.ula_groups)
         self.current_layer_id = self.start_layer  # set by the forward_extend hook
-        tps.ACTIVE.update(group=grp, shard_indexer=opts.shard_indexer)
-        rb = row.row_bytes
+        tps.ACTIVE = tps.TPActive(grp, opts.shard_indexer)
+        rb = cfg.row_layout.row_bytes
         logger.info(
             "ulacache TP pool: rank %d/%d, %d selection group(s) x %d layers; own GPU %d slots, "
             "buffer %d rows, %d rows per layer (%.2f GiB GPU); CPU %d slots (%.2f GiB host); "

@@ -24,6 +24,7 @@ Hook (registered with the class swaps, a no-op outside TP mode):
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,13 +43,29 @@ DEFAULT_TOP_K = 2048
 """Top-k of DeepSeek-V3.2 / GLM-5.x (``index_topk``), used to size the buffer when the model
 config is not reachable; the coordinator checks the real value at start-up."""
 
-ACTIVE: dict[str, Any] = {}
-"""Set by the TP pool of this process: ``group`` (a GroupCoordinator) and ``shard_indexer``
-(the top-k hook acts only when it is true)."""
+@dataclass(frozen=True)
+class TPActive:
+    """The TP pool of this process: its ``group`` (a GroupCoordinator) and whether the top-k
+    hook shards the merge (``shard_indexer``)."""
 
-SIZED: dict[str, int] = {}
-"""What the sizing hook charged in this process (``buffer_slots``, ``tp_size``); the TP pool
-allocates exactly that buffer when it is present."""
+    group: Any
+    shard_indexer: bool
+
+
+@dataclass(frozen=True)
+class TPSizing:
+    """What the sizing hook charged in this process: the TP pool allocates exactly this
+    buffer when its group has ``tp_size`` ranks."""
+
+    tp_size: int
+    buffer_slots: int
+
+
+ACTIVE: TPActive | None = None
+"""Set by the TP pool of this process (the top-k hook reads it); ``None`` before."""
+
+SIZED: TPSizing | None = None
+"""Set by the sizing hook in TP mode (the TP pool reads it); ``None`` before."""
 
 
 # -- process groups ------------------------------------------------------------------------
@@ -153,9 +170,10 @@ def topk_transform_around(original_fn, self, logits, topk, *args, **kwargs):
     """AROUND ``DSAIndexerMetadata.topk_transform``: with TP ``shard_indexer``, the plain paged
     call (``_get_topk_paged``: unfused, no ``ks`` / offsets) becomes the sharded merge; every
     other call (ragged prefill chunks, whose chunking may differ across ranks) is untouched."""
-    grp = ACTIVE.get("group")
+    active = ACTIVE
+    grp = active.group if active is not None else None
     plain = not args and all(v is None for v in kwargs.values())
-    if not (ACTIVE.get("shard_indexer") and grp is not None and plain and
+    if not (active is not None and active.shard_indexer and grp is not None and plain and
             getattr(self, "force_unfused_topk", False) and logits.dim() == 2):
         return original_fn(self, logits, topk, *args, **kwargs)
     return sharded_topk_positions(grp, logits, self.get_seqlens_expanded(), int(topk))

@@ -401,7 +401,8 @@ _HOOKED_SIZES = textwrap.dedent(f"""
                 out[f"{{model}}/{{mode}}/{{c}}"] = {{
                     "cell": conf._cell_size, "fixed": conf._fixed_overhead_bytes,
                     "tokens": conf.calculate_pool_sizes(budget, 64).max_total_num_tokens,
-                    "groups": len(sz.pool_layer_groups(kvc)), "sized": dict(tps.SIZED)}}
+                    "groups": len(sz.pool_layer_groups(kvc)),
+                    "sized": vars(tps.SIZED) if tps.SIZED else {{}}}}
     print("RESULT " + json.dumps(out))
 """)
 

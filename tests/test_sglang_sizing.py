@@ -84,7 +84,7 @@ _CHILD = textwrap.dedent(f"""
     out["dp"] = configure(dp)
     tps.tp_group = lambda: types.SimpleNamespace(world_size={P})
     out["tp"] = configure(SGLangOptions(mode="tp", cpu_ratio={RATIO - 1}, n_buckets={BUCKETS}))
-    out["sized"] = dict(tps.SIZED)
+    out["sized"] = vars(tps.SIZED) if tps.SIZED else {{}}
 
     N = out["dp"]["tokens"]
     kw = dict(page_size=64, kv_lora_rank=64, dtype=torch.bfloat16, qk_rope_head_dim=16,

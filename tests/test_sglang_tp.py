@@ -351,7 +351,7 @@ def scenario_topk(rank: int) -> dict:
     meta = types.SimpleNamespace(force_unfused_topk=True, get_seqlens_expanded=lambda: lengths)
     calls = []
     orig = lambda self, lg, k, *a, **kw: calls.append(k) or "original"  # noqa: E731
-    tps.ACTIVE.update(group=tps.tp_group(), shard_indexer=True)
+    tps.ACTIVE = tps.TPActive(tps.tp_group(), True)
     got = tps.topk_transform_around(orig, meta, logits.clone(), K)
     want = topk_reference(real, lengths, K).to(torch.int32)
     passthrough = [
@@ -359,7 +359,7 @@ def scenario_topk(rank: int) -> dict:
                                   logits, K),
         tps.topk_transform_around(orig, meta, logits, K, ks=lengths),
     ]
-    tps.ACTIVE.clear()
+    tps.ACTIVE = None
     return {"equal": torch.equal(got, want), "dtype": str(got.dtype), "got": got.tolist(),
             "passthrough": passthrough, "calls": calls}
 
@@ -601,7 +601,7 @@ def test_sizing_hook_charges_one_pth_of_the_latent_and_the_buffer(monkeypatch):
     monkeypatch.setattr(rc, "get_schedule", lambda: types.SimpleNamespace(max_running_requests=8))
     monkeypatch.setattr(tps, "tp_group", lambda: types.SimpleNamespace(world_size=4))
     monkeypatch.setattr(tps, "draft_tokens", lambda: 0)
-    monkeypatch.setattr(tps, "SIZED", {})
+    monkeypatch.setattr(tps, "SIZED", None)
     hf = types.SimpleNamespace(architectures=["DeepseekV32ForCausalLM"], index_topk=2048)
     kvc = types.SimpleNamespace(
         is_draft_worker=False, use_mla_backend=True, kv_cache_dtype=torch.float8_e4m3fn,
@@ -630,7 +630,7 @@ def test_sizing_hook_charges_one_pth_of_the_latent_and_the_buffer(monkeypatch):
     per, fixed = table_bytes_per_slot(61, ratio=5, page_size=64, tp_size=4, buffer_slots=B,
                                       layers=61)
     assert run(tp) == (10004 + index_k + per, (B + 128) * 61 * 656 + fixed + out)
-    assert tps.SIZED == {"buffer_slots": B, "tp_size": 4}
+    assert tps.SIZED == tps.TPSizing(tp_size=4, buffer_slots=B)
     per, fixed = table_bytes_per_slot(61, ratio=5, page_size=64, tp_size=4, buffer_slots=1000,
                                       layers=61)
     assert run(SGLangOptions(mode="tp", buffer_slots=1000))[1] == 1128 * 61 * 656 + fixed + out

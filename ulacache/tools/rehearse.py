@@ -526,7 +526,7 @@ def rehearse(plan: Plan) -> dict:
     static = int(plan.mem_fraction * hbm)
     budget = static - int(WEIGHTS_GB[plan.key] * GB)
     headroom = hbm - static
-    tps.SIZED.clear()
+    tps.SIZED = None
     kvc = configurator_view(plan, sa)
     with sizing_group(plan):
         conf = DefaultPoolConfigurator(kvc)  # the sizing hook runs here
