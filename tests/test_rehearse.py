@@ -54,7 +54,9 @@ BATCHES = {
            "draft": plan("glm-5", "h200", "dp", {"cpu_ratio": 4}, draft_tokens=3),
            "headroom": plan("deepseek-v3.2", "h200", "dp", {"cpu_ratio": 4},
                             mem_fraction_static=0.99995),
-           "small pool": plan("glm-5", "h200", "dp", {"cpu_ratio": 40})},
+           "small pool": plan("glm-5", "h200", "dp", {"cpu_ratio": 40}),
+           # the capacity tool's B300 pick, with its pool: SGLang's --max-total-tokens cap
+           "capped": plan("glm-5", "b300", "dp", {"cpu_ratio": 2}, max_total_tokens=1876160)},
     "tp": {f"{m}/{g}": plan(m, g, "tp") for (m, g, mode) in RATIOS if mode == "tp"},
 }
 
@@ -136,6 +138,13 @@ def test_transient_peak_over_the_headroom_is_refused_naming_the_call(dp_reports)
     report = dp_reports["headroom"]
     assert not report["ok"]
     assert any("transient peak" in f and "outside the static pool" in f for f in report["fails"])
+
+
+@pytest.mark.xdist_group("rehearse_dp")
+def test_max_total_tokens_caps_the_pool_so_the_cpu_tier_fits_the_host(dp_reports):
+    report = dp_reports["capped"]
+    check_fits(report)
+    assert report["pool_tokens"] == 1876160
 
 
 @pytest.mark.xdist_group("rehearse_dp")

@@ -306,6 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     rh.add_argument("--mem-fraction-static", type=float, default=None,
                     help="SGLang's flag (default: 0.85 on H200, 272/288 on B300, as "
                     "bench/capacity.py)")
+    rh.add_argument("--max-total-tokens", type=_int_at_least(64), default=None,
+                    help="SGLang's flag: cap the pool's GPU tokens below what the budget gives")
     rh.add_argument("--host-gb", type=float, default=None,
                     help="host memory for the CPU tier per GPU, GB (default: 128 on H200, 192 "
                     "on B300, as bench/capacity.py)")

@@ -74,6 +74,7 @@ class Plan:
     mem_fraction_static: float | None = None  # default: the platform's (bench/capacity.py)
     prefill_layers: int = 0  # 0: the prefill's page table goes through every layer
     host_gb: float | None = None  # host memory for the CPU tier per GPU (default: platform's)
+    max_total_tokens: int | None = None  # SGLang's cap on the pool's GPU tokens
 
     @property
     def mem_fraction(self) -> float:
@@ -112,6 +113,8 @@ class Plan:
              "--chunked-prefill-size", str(self.chunked_prefill_size or
                                            CHUNKED_PREFILL[self.gpu]),
              "--mem-fraction-static", f"{self.mem_fraction:.4f}"]
+        if self.max_total_tokens:
+            a += ["--max-total-tokens", str(self.max_total_tokens)]
         if self.mode == "dp":
             a += ["--dp-size", str(self.gpus), "--enable-dp-attention"]
         if self.draft_tokens:
@@ -531,6 +534,11 @@ def rehearse(plan: Plan) -> dict:
     with sizing_group(plan):
         conf = DefaultPoolConfigurator(kvc)  # the sizing hook runs here
     n_tokens = conf.calculate_pool_sizes(budget, PAGE).max_total_num_tokens
+    if plan.max_total_tokens and plan.max_total_tokens < n_tokens:
+        # SGLang's user cap (kv_cache_configurator.py _apply_token_constraints, then
+        # calculate_pool_sizes_from_max_tokens, which aligns to pages)
+        n_tokens = conf.calculate_pool_sizes_from_max_tokens(plan.max_total_tokens,
+                                                             PAGE).max_total_num_tokens
     charged = n_tokens * conf._cell_size + conf._fixed_overhead_bytes
     LAUNCHES.clear()
     try:
@@ -655,7 +663,8 @@ def main(args) -> int:
                 chunked_prefill_size=args.chunked_prefill_size,
                 max_running_requests=args.max_running_requests,
                 mem_fraction_static=args.mem_fraction_static,
-                prefill_layers=args.prefill_layers, host_gb=args.host_gb)
+                prefill_layers=args.prefill_layers, host_gb=args.host_gb,
+                max_total_tokens=args.max_total_tokens)
     report = rehearse(plan)
     print(json.dumps(report, indent=1) if args.json else format_report(report))
     return 0 if report["ok"] else 1
