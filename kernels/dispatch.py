@@ -12,7 +12,7 @@ capturable); pass them on the GPU on hot paths.
 
 On the ``meta`` device (``ulacache rehearse``: shapes without data) a row operation takes the
 kernel's path without a kernel: the index conversions a launch makes are made (they are what
-it allocates), the launch is counted in :data:`META_LAUNCHES`, and no bytes move.
+it allocates) and no bytes move.
 """
 
 from __future__ import annotations
@@ -40,18 +40,15 @@ __all__ = [
 ]
 
 _noted: set[str] = set()
-META_LAUNCHES: dict[str, int] = {}
-"""Row-kernel launches made on the meta device, by operation (``ulacache rehearse``)."""
 
 
-def _meta_launch(name: str, dst: torch.Tensor, *idx: torch.Tensor) -> bool:
-    """Whether ``dst`` is on the meta device; then the launch ``name`` is counted and its
-    indices converted as the kernel path converts them (see the module docstring)."""
+def _on_meta(dst: torch.Tensor, *idx: torch.Tensor) -> bool:
+    """Whether ``dst`` is on the meta device; then ``idx`` are converted as the kernel path
+    converts them (see the module docstring) and the caller moves nothing."""
     if dst.device.type != "meta":
         return False
     for i in idx:
         _on(i, dst.device)
-    META_LAUNCHES[name] = META_LAUNCHES.get(name, 0) + 1
     return True
 
 
@@ -112,7 +109,7 @@ def gather_rows(
     ``src``/``dst``: ``uint8 [L, *, row_bytes]``; ``src_idx``/``dst_idx``: ``int64 [n]``.
     Covers host -> GPU (zero-copy), GPU -> GPU and GPU -> host (spill of new rows).
     """
-    if _meta_launch("gather_rows", dst, src_idx, dst_idx):
+    if _on_meta(dst, src_idx, dst_idx):
         return
     if uses_kernel(src, dst):
         dev = _dev(src, dst)
@@ -125,7 +122,7 @@ def swap_rows(
     gpu: torch.Tensor, gpu_idx: torch.Tensor, cpu: torch.Tensor, cpu_idx: torch.Tensor
 ) -> None:
     """Promotion swap ``gpu[:, g] <-> cpu[:, c]`` for each valid pair (both read first)."""
-    if _meta_launch("swap_rows", gpu, gpu_idx, cpu_idx):
+    if _on_meta(gpu, gpu_idx, cpu_idx):
         return
     if gpu.is_cuda and uses_kernel(cpu, gpu):
         dev = gpu.device
@@ -165,7 +162,7 @@ def gather_rows_peers(
     table for the kernel) or a sequence of the pool tensors. ``src_rank``/``src_idx``/
     ``dst_idx``: ``int64 [n]``, ``-1`` skips. See :mod:`ulacache.kernels.peer_reference`.
     """
-    if _meta_launch("gather_rows_peers", dst, src_rank, src_idx, dst_idx):
+    if _on_meta(dst, src_rank, src_idx, dst_idx):
         return
     if dst.is_cuda and cuda_rows.kernels_available() and _pool_fits(dst) is None:
         dev = dst.device

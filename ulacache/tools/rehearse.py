@@ -33,7 +33,6 @@ import contextlib
 import json
 import logging
 import os
-import threading
 import types
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -373,8 +372,7 @@ def rank_body(plan: Plan, n_tokens: int, model_config, peers: MirrorPeers | None
 @contextlib.contextmanager
 def _phase(out: dict, ledger: Ledger, name: str):
     ledger.mark()
-    me = threading.current_thread().name
-    before = LAUNCHES[me]
+    before = LAUNCHES[0]
     yield
     peak, sites = ledger.peak_since_mark()
     _, kept_sites = ledger.retained_since_mark()
@@ -383,7 +381,7 @@ def _phase(out: dict, ledger: Ledger, name: str):
     out["phases"][name] = {"peak": peak, "sites": dict(Counter(sites).most_common(6)),
                            "retained": sum(ours.values()),
                            "retained_sites": dict(Counter(ours).most_common(4)),
-                           "fused_launches": LAUNCHES[me] - before}
+                           "fused_launches": LAUNCHES[0] - before}
 
 
 def prefill_layers(plan: Plan, n_layers: int) -> list[int]:
@@ -467,15 +465,16 @@ def drive(plan: Plan, out: dict, ledger: Ledger, pool, alloc, coord, R: int, K: 
         alloc.free(row)
 
 
-LAUNCHES: Counter[str] = Counter()
-"""Fused-kernel launches per thread (simulated rank) while :func:`kernels_recorded` is on."""
+LAUNCHES = [0]
+"""Fused-kernel launches recorded so far while :func:`kernels_recorded` is on (one rank is
+built, in this thread)."""
 
 
 @contextlib.contextmanager
 def kernels_recorded():
-    """Fused-kernel launches counted per thread instead of run (meta tensors have no data; a
-    kernel allocates no memory), as :mod:`ulacache.kernels.fused_compile` records them.
-    Process-wide: the simulated ranks share the module."""
+    """Fused-kernel launches counted in :data:`LAUNCHES` instead of run (meta tensors have no
+    data; a kernel allocates no memory), as :mod:`ulacache.kernels.fused_compile` records
+    them."""
     try:
         from ulacache.kernels import fused_access as fa
     except ImportError:
@@ -483,7 +482,7 @@ def kernels_recorded():
         return
 
     def record(kernel, grid, *args, **meta):
-        LAUNCHES[threading.current_thread().name] += 1
+        LAUNCHES[0] += 1
 
     with fa.launches_recorded(record):
         yield
@@ -540,7 +539,7 @@ def rehearse(plan: Plan) -> dict:
         n_tokens = conf.calculate_pool_sizes_from_max_tokens(plan.max_total_tokens,
                                                              PAGE).max_total_num_tokens
     charged = n_tokens * conf._cell_size + conf._fixed_overhead_bytes
-    LAUNCHES.clear()
+    LAUNCHES[0] = 0
     try:
         with kernels_recorded():
             ranks = build_and_drive(plan, n_tokens, kvc)
