@@ -140,7 +140,7 @@ if triton is not None:
     FREE = tl.constexpr(-(2**62))
 
     @triton.jit
-    def _row_of(round_of, epoch_of, round_t, epoch_t, NB: tl.constexpr):
+    def bucket_row_of(round_of, epoch_of, round_t, epoch_t, NB: tl.constexpr):
         """PBLRU._row_of: free 0 | current NB + 2 | cold 1 | recent 2 + epoch % NB."""
         recent = 2 + epoch_of % NB  # epochs of used slots are >= 0; free is overridden below
         row = tl.where(epoch_t - epoch_of >= NB, 1, recent)
@@ -148,7 +148,7 @@ if triton is not None:
         return tl.where(round_of == FREE, 0, row)
 
     @triton.jit
-    def _move_slots(bits, counts, supc, hypc, rowc, slot, src, dst, mask, W1, S1, H1,
+    def move_slots(bits, counts, supc, hypc, rowc, slot, src, dst, mask, W1, S1, H1,
                     HY: tl.constexpr):
         """Move ``slot`` from bucket row ``src`` to ``dst`` where ``mask`` (PBLRU._move_bits):
         +/- 2**bit on the words (no carries: the old bit is set, the new one clear) and +/- 1
@@ -173,17 +173,17 @@ if triton is not None:
         tl.atomic_add(rowc + dst * 2, one, mask=mask, sem="relaxed")
 
     @triton.jit
-    def _touch(bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr, epoch_ptr,
+    def touch_slots(bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr, epoch_ptr,
                entered, slot, mask, W1, S1, H1, NB: tl.constexpr, HY: tl.constexpr,
                ASSIGNED: tl.constexpr):
         """PBLRU.touch / assign of distinct ``slot`` where ``mask``."""
         slot = tl.where(mask, slot, 0)
         round_t = tl.load(round_ptr)
         epoch_t = tl.load(epoch_ptr)
-        old = _row_of(tl.load(round_of + slot, mask=mask, other=0),
+        old = bucket_row_of(tl.load(round_of + slot, mask=mask, other=0),
                       tl.load(epoch_of + slot, mask=mask, other=0), round_t, epoch_t, NB)
         move = mask & (old != NB + 2)
-        _move_slots(bits, counts, supc, hypc, rowc, slot, old, NB + 2, move, W1, S1, H1, HY)
+        move_slots(bits, counts, supc, hypc, rowc, slot, old, NB + 2, move, W1, S1, H1, HY)
         if ASSIGNED:
             turned = move
         else:
@@ -193,7 +193,7 @@ if triton is not None:
         tl.store(epoch_of + slot, tl.zeros_like(slot) + epoch_t, mask=move)
 
     @triton.jit
-    def _claim_in_range(addrs, claim, n, N, BLOCK: tl.constexpr):
+    def claim_in_range(addrs, claim, n, N, BLOCK: tl.constexpr):
         """Every in-range entry claims its address: ``atomic_min(claim[addr], position)`` (the
         first launch of a TP rank's gates and of a release)."""
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -262,7 +262,7 @@ if triton is not None:
             phys = tl.load(phys_in + i, mask=live, other=-1)
             hit = first & (phys < G)
             want = first & (phys >= G)
-            _touch(bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr, epoch_ptr,
+            touch_slots(bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr, epoch_ptr,
                    entered, phys, hit, W1, S1, H1, NB, HY, False)
             tl.atomic_add(counters + C_ACCESSES, tl.sum(first.to(tl.int64)), sem="relaxed")
             tl.atomic_add(counters + C_HITS, tl.sum(hit.to(tl.int64)), sem="relaxed")
@@ -285,7 +285,7 @@ if triton is not None:
         return tl.sum(before.to(tl.int32), 1), r - tl.sum(tl.where(before, vals, 0), 1)
 
     @triton.jit
-    def _victim_order(rowc, epoch_ptr, NB: tl.constexpr, RP: tl.constexpr):
+    def victim_order(rowc, epoch_ptr, NB: tl.constexpr, RP: tl.constexpr):
         """(epoch, row totals in victim order ``[RP]``, their sum, free slots)."""
         epoch_t = tl.load(epoch_ptr)
         j = tl.arange(0, RP)
@@ -293,7 +293,7 @@ if triton is not None:
         return epoch_t, tot, tl.sum(tot), tl.load(rowc)
 
     @triton.jit
-    def _victims(rank, want, tot, total, epoch_t, bits, counts, supc, hypc, W1, S1, H1, NS, NH,
+    def find_victims(rank, want, tot, total, epoch_t, bits, counts, supc, hypc, W1, S1, H1, NS, NH,
                  NB: tl.constexpr, RP: tl.constexpr, HP: tl.constexpr, HY: tl.constexpr,
                  HYP2: tl.constexpr, SUB: tl.constexpr):
         """PBLRU.victims(n)[rank] where ``want`` (``int64 [SUB]``, -1 elsewhere or past the
@@ -332,7 +332,7 @@ if triton is not None:
         pid = tl.program_id(0)
         b = tl.arange(0, BP)
         run = tl.sum(tl.load(block_want + b, mask=b < pid, other=0))  # wants before this entry
-        epoch_t, tot, total, n_free = _victim_order(rowc, epoch_ptr, NB, RP)
+        epoch_t, tot, total, n_free = victim_order(rowc, epoch_ptr, NB, RP)
         top = tl.load(cpu_top)
         # SUB entries at a time: the search tiles are [SUB, <= 128] (no register spills)
         for c in range(0, BLOCK, SUB):
@@ -343,7 +343,7 @@ if triton is not None:
             rank = run + tl.cumsum(want.to(tl.int32), 0) - 1
             run += tl.sum(want.to(tl.int32))
             if tl.sum(want.to(tl.int32)) > 0:  # sub-blocks of hits only: nothing to do
-                victim = _victims(rank, want, tot, total, epoch_t, bits, counts, supc, hypc, W1,
+                victim = find_victims(rank, want, tot, total, epoch_t, bits, counts, supc, hypc, W1,
                                   S1, H1, NS, NH, NB, RP, HP, HY, HYP2, SUB)
                 ok = victim >= 0
                 vs = tl.where(ok, victim, G)
@@ -409,7 +409,7 @@ if triton is not None:
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         live = i < n
         victim = tl.load(victim_in + i, mask=live, other=-1)
-        _touch(bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr, epoch_ptr,
+        touch_slots(bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr, epoch_ptr,
                entered, victim, victim >= 0, W1, S1, H1, NB, HY, True)
         st = tl.load(status + i, mask=live, other=0)
         moved = tl.sum(((st & MOVED) != 0).to(tl.int64))
@@ -436,7 +436,7 @@ if triton is not None:
         tl.store(out + i, rows.to(tl.int32), mask=live)
 
 
-def _pow2(x: int) -> int:
+def pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
@@ -484,7 +484,8 @@ class Scratch:
 
 
 class FusedAccess:
-    """The fused kernels bound to one :class:`ulacache.group.SelectionGroup` (PB-LRU policy).
+    """The fused kernels bound to one selection group's tensors
+    (:class:`ulacache.state.GroupTables`, PB-LRU policy).
 
     Calls take the group's already-checked inputs, at most ``scratch.cap`` entries; every call
     is four launches and no other device op (the scratch is allocated once).
@@ -499,29 +500,30 @@ class FusedAccess:
     SUB = 64 if INTERPRETED else 16
     CHUNK = 64  # words of a row copied per inner step
 
-    def __init__(self, group, scratch: Scratch | None = None) -> None:
+    def __init__(self, tables, scratch: Scratch | None = None) -> None:
         if triton is None:
             raise RuntimeError("the fused access path needs Triton (pip install triton)")
-        self.g = group
-        p = group.policy
+        self.g = tables
+        p = tables.policy
         self.nb = p.n_buckets
         self.w1, self.s1, self.h1 = p.n_words + 16, p.n_super + 1, p.n_hyper + 1
-        self.rp = _pow2(p.n_buckets + 2)
-        self.hp = _pow2(p.n_hyper)
+        self.rp = pow2(p.n_buckets + 2)
+        self.hp = pow2(p.n_hyper)
         # shared by the groups of an address space (they run one at a time on one stream)
-        self._scratch = scratch if scratch is not None else \
-            Scratch(group.device, SCRATCH_DTYPES, self.BLOCK, group.max_call)
-        if self._scratch.dtypes != SCRATCH_DTYPES or self._scratch.block != self.BLOCK:
+        self.shared_scratch = scratch if scratch is not None else \
+            Scratch(tables.device, SCRATCH_DTYPES, self.BLOCK, tables.max_call)
+        if self.shared_scratch.dtypes != SCRATCH_DTYPES or \
+                self.shared_scratch.block != self.BLOCK:
             raise ValueError("a fused access scratch needs SCRATCH_DTYPES per BLOCK entries")
-        self.gpu_words = _word_view(group.pools.gpu)
-        self.cpu_words = _word_view(group.pools.cpu)
+        self.gpu_words = _word_view(tables.gpu)
+        self.cpu_words = _word_view(tables.cpu)
         if self.gpu_words.dtype != self.cpu_words.dtype:  # one element type per copy loop
-            self.gpu_words, self.cpu_words = group.pools.gpu, group.pools.cpu
+            self.gpu_words, self.cpu_words = tables.gpu, tables.cpu
 
     def scratch(self, n: int) -> tuple[torch.Tensor, ...]:
         """(local address int64 [n], phys int64 [n], status int32 [n], victim int64 [n],
         per-block wants int32 [>= blocks])."""
-        return self._scratch.get(n)
+        return self.shared_scratch.get(n)
 
     def _policy_args(self):
         p = self.g.policy
@@ -548,22 +550,22 @@ class FusedAccess:
         pol = self._policy_args()
         stamps = (p.round_of, p.epoch_of, p.round_t, p.epoch_t, p.entered)
         mode = dict(PLACE=place, BLOCK=self.BLOCK)
-        launch(_k1_claim, grid, addrs, local, g.loc, g._claim, phys, status, g.counters, n, N,
+        launch(_k1_claim, grid, addrs, local, g.loc, g.claim, phys, status, g.counters, n, N,
                 n_global, rank, TPP=P, **mode)
-        launch(_k2_first_touch, grid, local, g._claim, phys, status, block_want, victim,
+        launch(_k2_first_touch, grid, local, g.claim, phys, status, block_want, victim,
                 g.counters,
                 *pol, *stamps, n, N, G, self.w1, self.s1, self.h1, NB=self.nb, HY=p.hyper,
                 **mode)
         gw, cw = self.gpu_words, self.cpu_words
         launch(_k3_victims_move, grid, local, phys, status, block_want, victim, g.counters,
-                *pol, p.epoch_t, g.loc, g.gpu_owner, g.cpu_owner, g.pools.cpu_free,
-                g.pools.cpu_top, gw, cw, gw.stride(0), gw.stride(1),
+                *pol, p.epoch_t, g.loc, g.gpu_owner, g.cpu_owner, g.cpu_free,
+                g.cpu_top, gw, cw, gw.stride(0), gw.stride(1),
                 cw.stride(0), cw.stride(1), n, G, C, self.w1, self.s1, self.h1, p.n_super,
                 p.n_hyper, grid[0], NB=self.nb, RP=self.rp, L=gw.shape[0], RW=gw.shape[2],
-                HP=self.hp, HY=p.hyper, HYP2=_pow2(p.hyper), BP=_pow2(grid[0]),
+                HP=self.hp, HY=p.hyper, HYP2=pow2(p.hyper), BP=pow2(grid[0]),
                 CHUNK=self.CHUNK, SUB=self.SUB, **mode)
         launch(_k4_assign_translate, grid, local, status, victim,
-                out if out is not None else status, g.loc, g.pools.cpu_top, *pol, *stamps,
+                out if out is not None else status, g.loc, g.cpu_top, *pol, *stamps,
                 n, N, G, self.w1, self.s1, self.h1, row_base, NB=self.nb, HY=p.hyper, **mode)
 
 
@@ -584,18 +586,20 @@ def translate(loc: torch.Tensor, addrs: torch.Tensor, out: torch.Tensor, n_logic
     return out
 
 
-def equivalence_state(g, pools: bool = True) -> dict[str, torch.Tensor]:
+def equivalence_state(group, pools: bool = True) -> dict[str, torch.Tensor]:
     """Every piece of a group's state the fused and torch paths must leave equal (tests and
     bench/access_bench.py compare two groups with it): mapping, owners, CPU free stack,
     counters, claim table, every PB-LRU level, stamps and (``pools``) the rows. Scratch
     entries are left out: the torch path's masked writes land there and nothing reads them.
-    Host-side (reads the stack pointer)."""
+    ``group``: a :class:`ulacache.state.GroupTables` or anything with ``tables``. Host-side
+    (reads the stack pointer)."""
+    g = getattr(group, "tables", group)
     p, G, C = g.policy, g.gpu_slots, g.cpu_slots
-    top = int(g.pools.cpu_top)
+    top = int(g.cpu_top)
     out = {
         "loc": g.loc, "gpu_owner": g.gpu_owner, "cpu_owner": g.cpu_owner,
-        "cpu_top": g.pools.cpu_top, "cpu_free": g.pools.cpu_free[:top],
-        "cpu_free_scratch": g.pools.cpu_free[C:], "counters": g.counters, "claim": g._claim,
+        "cpu_top": g.cpu_top, "cpu_free": g.cpu_free[:top],
+        "cpu_free_scratch": g.cpu_free[C:], "counters": g.counters, "claim": g.claim,
         "bits": p.bits[:, : p.n_words], "counts": p.counts[:, : p.n_words],
         "super_counts": p.super_counts[:, : p.n_super],
         "hyper_counts": p.hyper_counts[:, : p.n_hyper], "row_counts": p.row_counts[:, 0],
@@ -603,5 +607,5 @@ def equivalence_state(g, pools: bool = True) -> dict[str, torch.Tensor]:
         "epoch_t": p.epoch_t, "entered": p.entered,
     }
     if pools:
-        out.update(gpu_pool=g.pools.gpu[:, :G], cpu_pool=g.pools.cpu[:, :C])
+        out.update(gpu_pool=g.gpu[:, :G], cpu_pool=g.cpu[:, :C])
     return out

@@ -49,7 +49,7 @@ def record_launches(n_layers: int = 2, gpu_slots: int = 4096, row_bytes: int = 6
     group = SelectionGroup(list(range(n_layers)), gpu_slots * 4, gpu_slots, gpu_slots * 2,
                            row_bytes, "cpu", "pblru", 64, False, access_path="torch",
                            max_call=shape[0] * shape[1])
-    fused = fa.FusedAccess(group)
+    fused = fa.FusedAccess(group.tables)
     with fa.launches_recorded(record):
         addrs = torch.zeros(shape, dtype=torch.int64).view(-1)
         fused.run(addrs, place=False, out=torch.empty(addrs.shape, dtype=torch.int32))
@@ -74,7 +74,7 @@ def record_launches(n_layers: int = 2, gpu_slots: int = 4096, row_bytes: int = 6
         from .fused_release import FusedRelease
 
         fused_policy.advance(PBLRUArena(2, gpu_slots, 64))  # a round start
-        FusedRelease(group).run(addrs)
+        FusedRelease(group.tables).run(addrs)
     return calls
 
 

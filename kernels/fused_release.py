@@ -8,7 +8,7 @@ split where a grid-wide order is needed:
 
 ====  =====================================================================================
 R1    every in-range entry claims its address: ``atomic_min(claim[addr], position)``
-      (``fused_access._claim_in_range``, shared with the TP gates' G1)
+      (``fused_access.claim_in_range``, shared with the TP gates' G1)
 R2    first occurrence (the first resets the claim); invalid entries counted; dropped rows
       unmapped (mapping, owners); GPU slots released in the policy (bit to the free row,
       stamps freed); per-block counts of CPU slots to push; the stack pointer snapshot
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from . import fused_access
-from .fused_access import COUNTER_COLUMNS, FusedAccess, Scratch, _pow2, triton
+from .fused_access import COUNTER_COLUMNS, FusedAccess, Scratch, pow2, triton
 
 __all__ = ["FusedRelease", "LAUNCHES_PER_RELEASE"]
 
@@ -32,7 +32,7 @@ LAUNCHES_PER_RELEASE = 3
 if triton is not None:
     import triton.language as tl
 
-    from .fused_access import FREE, NO_CLAIM, _claim_in_range, _move_slots, _row_of
+    from .fused_access import FREE, NO_CLAIM, bucket_row_of, claim_in_range, move_slots
 
     C_INVALID = tl.constexpr(COUNTER_COLUMNS["invalid"])
     C_RELEASED_GPU = tl.constexpr(COUNTER_COLUMNS["released_gpu"])
@@ -63,11 +63,11 @@ if triton is not None:
                  mask=on_cpu)
         # PBLRU.release: a used slot's bit moves to the free row, its stamps become free
         slot = tl.where(on_gpu, phys, 0)
-        old = _row_of(tl.load(round_of + slot, mask=on_gpu, other=0),
+        old = bucket_row_of(tl.load(round_of + slot, mask=on_gpu, other=0),
                       tl.load(epoch_of + slot, mask=on_gpu, other=0), tl.load(round_ptr),
                       tl.load(epoch_ptr), NB)
         move = on_gpu & (old != 0)
-        _move_slots(bits, counts, supc, hypc, rowc, slot, old, 0, move, W1, S1, H1, HY)
+        move_slots(bits, counts, supc, hypc, rowc, slot, old, 0, move, W1, S1, H1, HY)
         tl.store(round_of + slot, tl.full(slot.shape, FREE, tl.int64), mask=move)
         tl.store(epoch_of + slot, tl.full(slot.shape, FREE, tl.int64), mask=move)
         tl.store(cslot_out + i, tl.where(on_cpu, phys - G, -1), mask=live)
@@ -94,7 +94,8 @@ if triton is not None:
 
 
 class FusedRelease:
-    """The fused release bound to one :class:`ulacache.group.SelectionGroup` (PB-LRU policy).
+    """The fused release bound to one selection group's tensors
+    (:class:`ulacache.state.GroupTables`, PB-LRU policy).
 
     Calls take the group's already-checked ``addrs`` (flat, contiguous ``int32|int64``);
     every call is three launches and no other device op (scratch allocated once).
@@ -102,31 +103,32 @@ class FusedRelease:
 
     BLOCK = FusedAccess.BLOCK
 
-    def __init__(self, group) -> None:
+    def __init__(self, tables, scratch: Scratch | None = None) -> None:
         if triton is None:
             raise RuntimeError("the fused release needs Triton (pip install triton)")
-        self.g = group
-        p = group.policy
+        self.g = tables
+        p = tables.policy
         self.w1, self.s1, self.h1 = p.n_words + 16, p.n_super + 1, p.n_hyper + 1
-        # the group's access scratch: its first per-entry tensor holds the CPU slots
-        self._scratch = group.fused._scratch if group.fused is not None else \
-            Scratch(group.device, [torch.int64], self.BLOCK, group.max_call)
-        self._top0 = torch.zeros((), dtype=torch.int64, device=group.device)
+        # ``scratch``: the group's access scratch (its first per-entry tensor holds the CPU
+        # slots), shared; else one of its own
+        self.shared_scratch = scratch if scratch is not None else \
+            Scratch(tables.device, [torch.int64], self.BLOCK, tables.max_call)
+        self._top0 = torch.zeros((), dtype=torch.int64, device=tables.device)
 
     def run(self, addrs: torch.Tensor) -> None:
         g, p = self.g, self.g.policy
         n = addrs.numel()
         if n == 0:
             return
-        cslot, *_, block_push = self._scratch.get(n)
+        cslot, *_, block_push = self.shared_scratch.get(n)
         grid = (-(-n // self.BLOCK),)
         N, G, C = g.n_logical, g.gpu_slots, g.cpu_slots
         launch = fused_access.launch  # looked up per call: fused_compile records launches
-        launch(_claim_in_range, grid, addrs, g._claim, n, N, BLOCK=self.BLOCK)
-        launch(_r2_drop, grid, addrs, g._claim, g.loc, g.gpu_owner, g.cpu_owner, cslot,
-               block_push, g.pools.cpu_top, self._top0, g.counters, p.bits, p.counts,
+        launch(claim_in_range, grid, addrs, g.claim, n, N, BLOCK=self.BLOCK)
+        launch(_r2_drop, grid, addrs, g.claim, g.loc, g.gpu_owner, g.cpu_owner, cslot,
+               block_push, g.cpu_top, self._top0, g.counters, p.bits, p.counts,
                p.super_counts, p.hyper_counts, p.row_counts, p.round_of, p.epoch_of,
                p.round_t, p.epoch_t, n, N, G, C, self.w1, self.s1, self.h1,
                NB=p.n_buckets, HY=p.hyper, BLOCK=self.BLOCK)
-        launch(_r3_push, grid, cslot, block_push, g.pools.cpu_free, g.pools.cpu_top,
-               self._top0, n, grid[0], BP=_pow2(grid[0]), BLOCK=self.BLOCK)
+        launch(_r3_push, grid, cslot, block_push, g.cpu_free, g.cpu_top,
+               self._top0, n, grid[0], BP=pow2(grid[0]), BLOCK=self.BLOCK)

@@ -40,10 +40,10 @@ if fa.triton is not None:
         C_INVALID,
         INVALID_ROW,
         NO_CLAIM,
-        _claim_in_range,
-        _touch,
-        _victim_order,
-        _victims,
+        claim_in_range,
+        find_victims,
+        touch_slots,
+        victim_order,
     )
 
     _t = {name: tl.constexpr(col) for name, col in TP_COUNTER_COLUMNS.items()}
@@ -72,7 +72,7 @@ if fa.triton is not None:
         theirs = inrange & ~mine
         bslot = tl.load(slot_of + safe, mask=theirs, other=-1).to(tl.int64)
         hit = theirs & (bslot >= 0)
-        _touch(bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr, epoch_ptr,
+        touch_slots(bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr, epoch_ptr,
                entered, bslot, first & hit, W1, S1, H1, NB, HY, False)
         oslot = tl.load(table + owner * n + i, mask=theirs, other=-1)
         want = first & theirs & ~hit & (oslot >= 0)
@@ -104,7 +104,7 @@ if fa.triton is not None:
         pid = tl.program_id(0)
         b = tl.arange(0, BP)
         run = tl.sum(tl.load(block_want + b, mask=b < pid, other=0))
-        epoch_t, tot, total, n_free = _victim_order(rowc, epoch_ptr, NB, RP)
+        epoch_t, tot, total, n_free = victim_order(rowc, epoch_ptr, NB, RP)
         for c in range(0, BLOCK, SUB):
             i = pid * BLOCK + c + tl.arange(0, SUB)
             live = i < n
@@ -112,7 +112,7 @@ if fa.triton is not None:
             rank = run + tl.cumsum(want.to(tl.int32), 0) - 1
             run += tl.sum(want.to(tl.int32))
             if tl.sum(want.to(tl.int32)) > 0:
-                victim = _victims(rank, want, tot, total, epoch_t, bits, counts, supc, hypc, W1,
+                victim = find_victims(rank, want, tot, total, epoch_t, bits, counts, supc, hypc, W1,
                                   S1, H1, NS, NH, NB, RP, HP, HY, HYP2, SUB)
                 ok = victim >= 0
                 vs = tl.where(ok, victim, B)
@@ -139,12 +139,12 @@ if fa.triton is not None:
     @triton.jit
     def _g4_assign_rows(addrs, own, victim_in, out, slot_of,
                         bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr,
-                        epoch_ptr, entered, n, N, G, P, RANK, W1, S1, H1,
+                        epoch_ptr, entered, n, N, G, P, RANK, W1, S1, H1, row_base,
                         NB: tl.constexpr, HY: tl.constexpr, BLOCK: tl.constexpr):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         live = i < n
         victim = tl.load(victim_in + i, mask=live, other=-1)
-        _touch(bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr, epoch_ptr,
+        touch_slots(bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr, epoch_ptr,
                entered, victim, victim >= 0, W1, S1, H1, NB, HY, True)
         a = tl.load(addrs + i, mask=live, other=-1).to(tl.int64)
         inrange = live & (a >= 0) & (a < N)
@@ -154,6 +154,7 @@ if fa.triton is not None:
         mine_row = tl.where(mine_row >= 0, mine_row, -1)  # the owner's verdicts read as padding
         bslot = tl.load(slot_of + tl.where(theirs, a, N), mask=theirs, other=-1).to(tl.int64)
         row = tl.where(mine, mine_row, tl.where(theirs & (bslot >= 0), G + 1 + bslot, -1))
+        row = tl.where(row >= 0, row + row_base, -1)  # rows of the engine's tensor
         tl.store(out + i, row.to(tl.int32), mask=live)
 
 
@@ -166,10 +167,12 @@ class FusedGates:
 
     BLOCK, SUB = fa.FusedAccess.BLOCK, fa.FusedAccess.SUB
 
-    def __init__(self, buffer, gpu_slots: int, rank: int, size: int, capacity: int) -> None:
+    def __init__(self, buffer, gpu_slots: int, rank: int, size: int, capacity: int,
+                 row_base: int = 0) -> None:
         if fa.triton is None:
             raise RuntimeError("the fused TP gates need Triton (pip install triton)")
         self.b, self.G, self.rank, self.P = buffer, gpu_slots, rank, size
+        self.row_base = int(row_base)  # added to every row G4 writes (the engine's offset)
         p = buffer.policy
         self.nb, self.hy = p.n_buckets, p.hyper
         self.w1, self.s1, self.h1 = p.n_words + 16, p.n_super + 1, p.n_hyper + 1
@@ -186,7 +189,7 @@ class FusedGates:
         """G1 (needs nothing from the peers: issue it before the all-gather)."""
         n = addrs.numel()
         if n:
-            fa.launch(_claim_in_range, (-(-n // self.BLOCK),), addrs, self.b._claim, n,
+            fa.launch(claim_in_range, (-(-n // self.BLOCK),), addrs, self.b.claim_table, n,
                        self.b.n_logical, BLOCK=self.BLOCK)
 
     def run(self, addrs: torch.Tensor, table: torch.Tensor, own: torch.Tensor,
@@ -206,17 +209,17 @@ class FusedGates:
         pol = (p.bits, p.counts, p.super_counts, p.hyper_counts, p.row_counts)
         stamps = (p.round_of, p.epoch_of, p.round_t, p.epoch_t, p.entered)
         N = b.n_logical
-        fa.launch(_g2_first_hits, grid, addrs, b._claim, table, b.slot_of, status, block_want,
+        fa.launch(_g2_first_hits, grid, addrs, b.claim_table, table, b.slot_of, status, block_want,
                    victim, *plan, counters, dp_counters, *pol, *stamps, n, N, self.P,
                    self.rank, self.w1,
                    self.s1, self.h1, NB=self.nb, HY=self.hy, BLOCK=self.BLOCK)
         fa.launch(_g3_claim_slots, grid, addrs, table, status, block_want, victim, counters,
                    *pol, p.epoch_t, b.slot_of, b.holder, *plan, n, self.G, b.n_slots, self.P,
                    self.w1, self.s1, self.h1, p.n_super, p.n_hyper, NB=self.nb,
-                   RP=fa._pow2(self.nb + 2), HP=fa._pow2(p.n_hyper), HY=self.hy,
-                   HYP2=fa._pow2(self.hy), BP=fa._pow2(grid[0]), SUB=self.SUB,
+                   RP=fa.pow2(self.nb + 2), HP=fa.pow2(p.n_hyper), HY=self.hy,
+                   HYP2=fa.pow2(self.hy), BP=fa.pow2(grid[0]), SUB=self.SUB,
                    BLOCK=self.BLOCK)
         fa.launch(_g4_assign_rows, grid, addrs, own, victim, out, b.slot_of, *pol, *stamps,
-                   n, N, self.G, self.P, self.rank, self.w1, self.s1, self.h1, NB=self.nb,
-                   HY=self.hy, BLOCK=self.BLOCK)
+                   n, N, self.G, self.P, self.rank, self.w1, self.s1, self.h1, self.row_base,
+                   NB=self.nb, HY=self.hy, BLOCK=self.BLOCK)
         return tuple(plan)

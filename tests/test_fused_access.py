@@ -261,8 +261,8 @@ def test_scratch_is_allocated_once_and_larger_calls_run_in_chunks():
     place / access / release calls larger than it run in chunks in the same round, on both
     paths alike, and every selected row is resident with its own bytes afterwards."""
     ref, fused = make_twins(1, 900, 160, 900, 16, 4, max_call=128)
-    scratch = fused.fused._scratch
-    assert scratch.cap == 128 and fused.fused_release._scratch is scratch
+    scratch = fused.fused.shared_scratch
+    assert scratch.cap == 128 and fused.fused_release.shared_scratch is scratch
     ptrs = [t.data_ptr() for t in scratch.tensors]
     d = TwinDriver(ref, fused, 4)
     for n in (300, 60, 250):  # placements over the chunk size (and below it)

@@ -25,7 +25,7 @@ def test_every_fused_kernel_compiles_for_sm90_without_spills():
     lines = res.stdout.strip().splitlines()
     names = {line.split()[1] for line in lines}
     assert names == {"_k1_claim", "_k2_first_touch", "_k3_victims_move",
-                     "_k4_assign_translate", "_translate", "_claim_in_range",
+                     "_k4_assign_translate", "_translate", "claim_in_range",
                      "_g2_first_hits", "_g3_claim_slots", "_g4_assign_rows", "_advance_kernel",
                      "_r2_drop", "_r3_push"}
     # K1..K4 for access and for place, translate, K1 striped (TP), the claim kernel (G1 and

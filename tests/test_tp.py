@@ -400,7 +400,7 @@ def test_engine_owned_storage_with_a_row_offset():
             b.drop(torch.arange(33))
         s.begin_round()
         rows = s.access(0, addrs.view(1, 6))
-        got = storage[0][1][0, off + rows.view(-1).long()]
+        got = storage[0][1][0, rows.view(-1).long()]  # rows of the engine's tensor
         assert torch.equal(got, rows_in)
         assert bool((storage[0][1][0, :off] == 0).all()), "the sink page was written"
         return True
@@ -604,3 +604,42 @@ class ProductionTPMachine(RuleBasedStateMachine):
 ProductionTPMachine.TestCase.settings = settings(max_examples=12, stateful_step_count=40,
                                                  deadline=None)
 test_tp_production_stateful = ProductionTPMachine.TestCase
+
+
+def test_a_refused_chunked_tp_access_changes_nothing_on_any_rank():
+    """TP ``access`` of more than ``call_capacity`` entries runs in chunks, each a collective
+    plan; with validate on the whole call is checked first and agreed, so an address that only
+    the second chunk holds (dead on its owner) refuses the call on both ranks before any chunk
+    planned: no rank's tables, buffers or counters change. The same call without it runs."""
+    from ulacache.kernels.fused_access import equivalence_state
+
+    cfg = _small(gpu_slots=64, cpu_slots=64, buffer_slots=64, validate=True, call_entries=128)
+
+    def state(s):
+        out = {f"g{gi}.{k}": v.clone() for gi, g in enumerate(s.local.groups)
+               for k, v in equivalence_state(g).items()}
+        for gi, b in enumerate(s.buffers):
+            out[f"b{gi}.slots"] = b.slot_of.clone()
+            out[f"b{gi}.holder"] = b.holder.clone()
+        out["tp"] = s.tp_counters.clone()
+        return out
+
+    def body(peers):
+        s = TPAddressSpace(cfg, peers, n_logical=256)
+        s.begin_round()
+        s.place(torch.arange(120))
+        s.begin_round()
+        before = state(s)
+        good = torch.arange(120).repeat(2)  # 240 entries: two chunks of <= 128
+        bad = good.clone()
+        bad[200] = 130  # never placed; owned by rank 0; in the second chunk only
+        with pytest.raises(AddressError):
+            s.access(0, bad.view(1, -1))
+        after = state(s)
+        changed = [k for k in before if not torch.equal(before[k], after[k])]
+        rows = s.access(0, good.view(1, -1))
+        s.check_integrity()
+        return changed, int((rows >= 0).sum())
+
+    out = run_ranks(2, body)
+    assert out == [([], 240), ([], 240)]

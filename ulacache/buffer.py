@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from .group import _NO_CLAIM, first_occurrence, new_claim_table
+from .group import NO_CLAIM, first_occurrence, new_claim_table
 from .pblru import ReplacementPolicy, make_policy
 from .pools import allocate
 
@@ -47,7 +47,7 @@ class LocalBuffer:
         self.policy = policy if isinstance(policy, ReplacementPolicy) else \
             make_policy(policy, n_slots, n_buckets, device)
         # dedup scratch, shareable by every buffer of the rank (clean between calls)
-        self._claim = new_claim_table(n_logical, device) if claim is None else claim
+        self.claim_table = new_claim_table(n_logical, device) if claim is None else claim
 
     def lookup(self, safe: torch.Tensor) -> torch.Tensor:
         """Buffer slot of each address (``safe``: in range or the scratch index ``n_logical``);
@@ -56,7 +56,7 @@ class LocalBuffer:
 
     def first(self, safe: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """``keep`` restricted to the first occurrence of each address."""
-        return first_occurrence(self._claim, safe, keep)
+        return first_occurrence(self.claim_table, safe, keep)
 
     def touch(self, slots: torch.Tensor) -> None:
         """Mark buffer hits as read this round (pins them; ``-1`` skipped)."""
@@ -128,6 +128,6 @@ class LocalBuffer:
         assert torch.equal(self.policy.used_mask(), self.holder[:B] >= 0), \
             "buffer policy's used set != held slots"
         self.policy.check_integrity()
-        assert bool((self._claim == _NO_CLAIM).all()), "buffer claim table dirty"
+        assert bool((self.claim_table == NO_CLAIM).all()), "buffer claim table dirty"
         if live is not None:
             assert bool(live.to(self.device)[addrs].all()), "buffer holds a released address"

@@ -9,7 +9,8 @@ so the two real differences between the modes live in the core, where they are u
   rank's own share its pool, its peers' share its buffer) and :meth:`Core.check_step_capacity`
   (one decode step's selections);
 * cross-rank agreement: TP's mutating calls are collectives that reach the same verdict on
-  every rank (see :mod:`ulacache.tp`); DP's are local.
+  every rank (see :mod:`ulacache.tp`), and :meth:`Core.agree` lets the engine agree on its own
+  yes/no (e.g. whether its logical allocation succeeded); DP's are local.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class Core(Protocol):
     config: UlaCacheConfig
     groups: list
     layer_to_group: dict[int, int]
+    n_logical: int
 
     @property
     def validate(self) -> bool: ...
@@ -44,6 +46,8 @@ class Core(Protocol):
     def prefill_fits(self, seq_lens: list[int]) -> bool: ...
 
     def check_step_capacity(self, requests: int, steps: int, top_k: int) -> None: ...
+
+    def agree(self, ok: bool) -> bool: ...
 
     def begin_round(self) -> None: ...
 

@@ -34,6 +34,7 @@ from .config import CALL_FLOOR
 from .errors import AddressError, CapacityExhausted, ConfigError, ShapeError
 from .pblru import PBLRU, PBLRUArena, ReplacementPolicy, make_policy
 from .pools import TierPools, allocate, resolve_device
+from .state import GroupTables
 from .streams import capturing
 
 COUNTERS = ("accesses", "gpu_hits", "promotions", "writebacks", "placed", "spills",
@@ -62,7 +63,7 @@ def occupancy(c: dict[str, int]) -> tuple[int, int]:
     gpu = c["placed"] - c["spills"] + into_free - c["released_gpu"]
     return gpu, c["spills"] - into_free - c["released_cpu"]
 
-_NO_CLAIM = torch.iinfo(torch.int64).max
+NO_CLAIM = torch.iinfo(torch.int64).max
 
 ACCESS_PATHS = ("auto", "torch", "fused")
 """How ``access`` and ``place`` run: ``"torch"``, the reference (fixed-shape tensor ops, about
@@ -116,7 +117,7 @@ def add_counts(row: torch.Tensor, names: tuple[str, ...], values: dict[str, torc
 
 def new_claim_table(n_logical: int, device: torch.device) -> torch.Tensor:
     """The dedup scratch of :func:`first_occurrence` over ``n_logical`` addresses (+ scratch)."""
-    return allocate((n_logical + 1,), torch.int64, device, "the claim table", fill=_NO_CLAIM)
+    return allocate((n_logical + 1,), torch.int64, device, "the claim table", fill=NO_CLAIM)
 
 
 def check_out(out: torch.Tensor | None, shape: torch.Size, device: torch.device,
@@ -146,13 +147,13 @@ def in_pieces(addrs: torch.Tensor, out: torch.Tensor | None, size: int, device: 
 
 def first_occurrence(claim: torch.Tensor, safe: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """``keep`` (``bool [n]``) restricted to the first occurrence of each index of ``safe``
-    (``int64 [n]``, in range of ``claim``). ``claim`` is an ``int64`` table all ``_NO_CLAIM``
+    (``int64 [n]``, in range of ``claim``). ``claim`` is an ``int64`` table all ``NO_CLAIM``
     before and after the call (scatter the positions with ``amin``, compare, reset): O(n),
     fixed shapes, no sync."""
     pos = torch.arange(safe.numel(), device=safe.device)
-    claim.scatter_reduce_(0, safe, torch.where(keep, pos, _NO_CLAIM), "amin")
+    claim.scatter_reduce_(0, safe, torch.where(keep, pos, NO_CLAIM), "amin")
     first = keep & (claim[safe] == pos)
-    claim.index_fill_(0, safe, _NO_CLAIM)
+    claim.index_fill_(0, safe, NO_CLAIM)
     return first
 
 
@@ -191,8 +192,9 @@ class SelectionGroup:
                  n_buckets: int = 64, validate: bool = True,
                  gpu_storage: torch.Tensor | None = None, counters: torch.Tensor | None = None,
                  claim: torch.Tensor | None = None, access_path: str = "auto",
-                 max_call: int | None = None, scratch=None):
+                 max_call: int | None = None, scratch=None, row_base: int = 0):
         self.device = resolve_device(device)
+        self.row_base = int(row_base)  # added to every row access / translate return
         self.max_call = int(max_call) if max_call is not None else gpu_slots + CALL_FLOOR
         if self.max_call < 1:
             raise ShapeError(f"max_call must be >= 1, got {max_call}")
@@ -220,7 +222,7 @@ class SelectionGroup:
             claim = new_claim_table(n_logical, self.device)
         elif claim.shape != table or claim.dtype != torch.int64 or claim.device != self.device:
             raise ShapeError(f"claim must be int64 {table} on {self.device}")
-        self._claim = claim
+        self.claim_table = claim
         if counters is None:
             counters = torch.zeros(len(COUNTERS), dtype=torch.int64, device=self.device)
         elif counters.shape != (len(COUNTERS),) or counters.dtype != torch.int64 or \
@@ -231,12 +233,26 @@ class SelectionGroup:
         if scratch is not None and scratch.cap < self.max_call:
             raise ShapeError(f"the shared scratch holds {scratch.cap} entries, max_call is "
                              f"{self.max_call}")
-        self.fused = None if kernels is None else kernels.FusedAccess(self, scratch)
+        # the fused engine's view of this group: plain tensors, never rebound
+        self.tables = GroupTables(
+            loc=self.loc, claim=self.claim_table, gpu_owner=self.gpu_owner,
+            cpu_owner=self.cpu_owner, counters=self.counters, gpu=self.pools.gpu,
+            cpu=self.pools.cpu, cpu_free=self.pools.cpu_free, cpu_top=self.pools.cpu_top,
+            policy=self.policy, n_logical=n_logical, gpu_slots=gpu_slots,
+            cpu_slots=cpu_slots, max_call=self.max_call, device=self.device)
+        self.fused = None if kernels is None else kernels.FusedAccess(self.tables, scratch)
         self.fused_release = None
         if kernels is not None:
             from ulacache.kernels.fused_release import FusedRelease
 
-            self.fused_release = FusedRelease(self)
+            self.fused_release = FusedRelease(self.tables, self.fused.shared_scratch)
+        # torch or fused, chosen once: every per-call entry point is bound here, not tested
+        # per call
+        fused = self.fused is not None
+        self._place_one = self._place_fused if fused else self._place_torch
+        self._access_one = self._access_fused if fused else self._access_torch
+        self._translate = self._translate_fused if fused else self._translate_torch
+        self._release_one = self._release_fused if fused else self._release_torch
 
     # -- helpers --------------------------------------------------------------------------
     def _count(self, **values: torch.Tensor) -> None:
@@ -270,7 +286,7 @@ class SelectionGroup:
 
     def _first(self, safe: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """``keep`` restricted to the first occurrence of each address (claim table)."""
-        return first_occurrence(self._claim, safe, keep)
+        return first_occurrence(self.claim_table, safe, keep)
 
     def _li(self, layer: int) -> int:
         if isinstance(layer, bool) or not isinstance(layer, int) or layer not in self.layer_index:
@@ -299,14 +315,17 @@ class SelectionGroup:
         """``addrs`` flattened into pieces of at most :attr:`max_call` entries."""
         return list(addrs.reshape(-1).split(self.max_call))
 
-    def _place_one(self, addrs: torch.Tensor) -> torch.Tensor:
-        if self.fused is not None:
-            self._index_meta(addrs, "place: addrs")
-            if self._checking():
-                self.check_place(addrs)
-            slot = torch.empty(addrs.numel(), dtype=torch.int64, device=self.device)
-            self.fused.run(addrs.reshape(-1).contiguous(), place=True, victim_out=slot)
-            return slot
+    def _place_fused(self, addrs: torch.Tensor) -> torch.Tensor:
+        """:meth:`place` of at most :attr:`max_call` entries, fused (four launches)."""
+        self._index_meta(addrs, "place: addrs")
+        if self._checking():
+            self.check_place(addrs)
+        slot = torch.empty(addrs.numel(), dtype=torch.int64, device=self.device)
+        self.fused.run(addrs.reshape(-1).contiguous(), place=True, victim_out=slot)
+        return slot
+
+    def _place_torch(self, addrs: torch.Tensor) -> torch.Tensor:
+        """:meth:`place` of at most :attr:`max_call` entries, the torch reference."""
         flat, fresh, bad = self._place_plan(addrs)
         if self._checking():
             self._validate_place(flat, fresh, bad)
@@ -446,7 +465,8 @@ class SelectionGroup:
         addrs : ``int32/int64 [bs, k]`` logical addresses, ``-1`` padding. Duplicates allowed.
         out : optional preallocated ``int32 [bs, k]`` on the group's device (graph-stable).
 
-        Returns ``int32 [bs, k]``: GPU slot of each selection, ``-1`` where ``addrs`` is ``-1``
+        Returns ``int32 [bs, k]``: GPU row of each selection (its slot + ``row_base``, the
+        engine tensor's offset; 0 by default), ``-1`` where ``addrs`` is ``-1``
         (and, validate off, where a selection is invalid or overflowed: see the module doc).
 
         Steps, all tensor ops on the group's device (no host sync unless ``validate`` and not
@@ -464,10 +484,9 @@ class SelectionGroup:
             return in_pieces(addrs, out, self.max_call, self.device, self._access_one)
         return self._access_one(addrs, out)
 
-    def _access_one(self, addrs: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-        """:meth:`access` of at most :attr:`max_call` entries (metadata checked)."""
-        if self.fused is not None:
-            return self._access_fused(addrs, out)
+    def _access_torch(self, addrs: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`access` of at most :attr:`max_call` entries (metadata checked), the torch
+        reference."""
         flat = addrs.reshape(-1).to(torch.int64)
         G = self.gpu_slots
         inrange, safe = self._range(flat)
@@ -512,18 +531,21 @@ class SelectionGroup:
                     writebacks=owned.sum(), access_overflow=(miss & ~ok).sum(),
                     invalid=bad.sum())
         rows = self.loc[safe]
-        rows = torch.where(valid & (rows >= 0) & (rows < G), rows, -1).view(addrs.shape)
+        rows = torch.where(valid & (rows >= 0) & (rows < G), rows + self.row_base, -1) \
+            .view(addrs.shape)
         if out is None:
             return rows.to(torch.int32)
         out.copy_(rows)
         return out
 
     def _access_fused(self, addrs: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`access` of at most :attr:`max_call` entries, fused (four launches)."""
         if self._checking():
             self.check_access(addrs)
         rows = out if out is not None and out.is_contiguous() else \
             torch.empty(addrs.shape, dtype=torch.int32, device=self.device)
-        self.fused.run(addrs.reshape(-1).contiguous(), place=False, out=rows)
+        self.fused.run(addrs.reshape(-1).contiguous(), place=False, out=rows,
+                       row_base=self.row_base)
         if out is not None and rows is not out:
             out.copy_(rows)
             return out
@@ -555,18 +577,22 @@ class SelectionGroup:
                 "must fit in gpu_slots")
 
     def translate(self, addrs: torch.Tensor) -> torch.Tensor:
-        """GPU rows of addresses, with no side effect: ``int32``, same shape; ``-1`` for
-        padding and for anything not GPU-resident. For layers that share a selection their
-        anchor already made resident this round."""
-        if self.fused is not None:
-            self._index_meta(addrs, "translate: addrs")
-            out = torch.empty(addrs.shape, dtype=torch.int32, device=self.device)
-            self.fused.translate(addrs.reshape(-1).contiguous(), out.view(-1))
-            return out
+        """GPU rows (slot + ``row_base``) of addresses, with no side effect: ``int32``, same
+        shape; ``-1`` for padding and for anything not GPU-resident. For layers that share a
+        selection their anchor already made resident this round."""
+        return self._translate(addrs)
+
+    def _translate_fused(self, addrs: torch.Tensor) -> torch.Tensor:
+        self._index_meta(addrs, "translate: addrs")
+        out = torch.empty(addrs.shape, dtype=torch.int32, device=self.device)
+        self.fused.translate(addrs.reshape(-1).contiguous(), out.view(-1), self.row_base)
+        return out
+
+    def _translate_torch(self, addrs: torch.Tensor) -> torch.Tensor:
         flat = self._index_tensor(addrs, "translate: addrs")
         _, safe = self._range(flat)
         phys = self.loc[safe]
-        return torch.where((phys >= 0) & (phys < self.gpu_slots), phys, -1) \
+        return torch.where((phys >= 0) & (phys < self.gpu_slots), phys + self.row_base, -1) \
             .to(torch.int32).view(addrs.shape)
 
     # -- release ---------------------------------------------------------------------------
@@ -585,13 +611,16 @@ class SelectionGroup:
             return
         self._release_one(addrs)
 
-    def _release_one(self, addrs: torch.Tensor) -> None:
-        if self.fused_release is not None:  # three launches, after the same checks
-            self._index_meta(addrs, "release: addrs")
-            if self._checking():
-                self._release_plan(addrs, check=True)
-            self.fused_release.run(addrs.reshape(-1).contiguous())
-            return
+    def _release_fused(self, addrs: torch.Tensor) -> None:
+        """:meth:`release` of at most :attr:`max_call` entries: three launches, after the
+        same checks as the torch reference."""
+        self._index_meta(addrs, "release: addrs")
+        if self._checking():
+            self._release_plan(addrs, check=True)
+        self.fused_release.run(addrs.reshape(-1).contiguous())
+
+    def _release_torch(self, addrs: torch.Tensor) -> None:
+        """:meth:`release` of at most :attr:`max_call` entries, the torch reference."""
         flat, inrange, safe, first, bad = self._release_plan(addrs, self._checking())
         phys = self.loc[safe]
         mapped = inrange & (phys >= 0)
@@ -663,7 +692,7 @@ class SelectionGroup:
         covered[free_c] = True
         assert torch.equal(covered, exp_c < 0), "CPU free stack != unowned CPU slots"
         self.policy.check_integrity()
-        assert bool((self._claim == _NO_CLAIM).all()), "claim table dirty"
+        assert bool((self.claim_table == NO_CLAIM).all()), "claim table dirty"
         assert bool((self.counters >= 0).all()), "negative counter"
         assert occupancy(self.counter_values()) == (int((exp_g >= 0).sum()),
                                                     int((exp_c >= 0).sum())), \

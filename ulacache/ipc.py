@@ -207,6 +207,12 @@ class Peers(abc.ABC):
         """Collective. ``[P, *t.shape]`` of ``t.dtype`` on ``self.device``; row ``r`` is rank
         ``r``'s ``t``. Every rank passes one shape and dtype."""
 
+    def agree(self, ok: bool) -> bool:
+        """Collective, host-side: whether ``ok`` is true on every rank (the same answer on
+        every rank). Default: an all-gather of one host byte (no device work)."""
+        self._check_open()
+        return bool(self.all_gather(torch.tensor([int(bool(ok))], dtype=torch.uint8)).min())
+
     def fence(self) -> None:
         """Collective: work issued before it on any rank (this rank: on the current stream)
         is ordered before work issued after it on every rank. Default: :meth:`barrier`;
@@ -851,6 +857,13 @@ class CudaIpcPeers(Peers):
         self._check_open()
         torch.cuda.current_stream(self.device).synchronize()
         dist.barrier(group=self.group)
+
+    def agree(self, ok: bool) -> bool:
+        """Over gloo on the host (never the device collective: no stream sync)."""
+        self._check_open()
+        flags = _gather_bytes(torch.tensor([int(bool(ok))], dtype=torch.uint8), self.size,
+                              self.group)
+        return bool(flags.min())
 
     def fence(self) -> None:
         """With a stream-ordered ``collective`` (NCCL): a one-element all-gather on the current

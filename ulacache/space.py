@@ -42,11 +42,15 @@ class AddressSpace:
     layer_groups : global layer ids per selection group (default: ``layers_per_group``
         consecutive layers each; override for e.g. a last, shorter group).
     gpu_storage : one engine-owned ``uint8 [L_g, gpu_slots + 1, row_bytes]`` GPU pool per group.
+    row_base : where slot 0 sits in the engine's tensor (SGLang: after its 64-row sink page):
+        the rows :meth:`access`, :meth:`plan` and :meth:`translate` return are ``slot +
+        row_base`` (the kernels add it), so the engine indexes its tensor with them directly.
+        ``gpu_storage`` is the view of the slots themselves.
     """
 
     def __init__(self, config: UlaCacheConfig, device: torch.device | str = "cpu", *,
                  n_logical: int, layer_groups: list[list[int]] | None = None,
-                 gpu_storage: list[torch.Tensor] | None = None):
+                 gpu_storage: list[torch.Tensor] | None = None, row_base: int = 0):
         self.config = config
         self.device = resolve_device(device)
         if isinstance(n_logical, bool) or not isinstance(n_logical, int) or n_logical < 1:
@@ -79,8 +83,9 @@ class AddressSpace:
                                None if gpu_storage is None else gpu_storage[i],
                                counters=self.counter_table[i], claim=claim,
                                access_path=config.access_path,
-                               max_call=config.call_capacity, scratch=scratch)
-            scratch = g.fused._scratch if g.fused is not None else None
+                               max_call=config.call_capacity, scratch=scratch,
+                               row_base=row_base)
+            scratch = g.fused.shared_scratch if g.fused is not None else None
             self.groups.append(g)
         self.layer_to_group = {layer: gi for gi, g in enumerate(self.groups) for layer in g.layers}
         self.stream = CoreStream(self.device)
@@ -148,7 +153,7 @@ class AddressSpace:
         g = self.group_of(layer)
         return g.pools.gpu[g.layer_index[layer]]
 
-    def _addrs(self, addrs: torch.Tensor, name: str) -> torch.Tensor:
+    def checked_addresses(self, addrs: torch.Tensor, name: str) -> torch.Tensor:
         """Integer address tensors only (bool and float are refused, not truncated), on the
         device or in host memory (fine for control-plane calls), moved to the device."""
         if not isinstance(addrs, torch.Tensor) or addrs.dtype not in (torch.int32, torch.int64):
@@ -183,6 +188,10 @@ class AddressSpace:
                 f"the GPU pool ({self.config.gpu_slots} slots) must hold one step's selections: "
                 f"({requests} requests x {steps} tokens) x (top-k {top_k} + 1) = {worst}")
 
+    def agree(self, ok: bool) -> bool:
+        """Whether ``ok`` holds on every rank of the engine: one rank here, so ``ok``."""
+        return ok
+
     # -- placement and release --------------------------------------------------------------
     def check_room(self, n: int) -> None:
         """Raise :class:`CapacityExhausted` unless ``n`` new rows fit this round in every
@@ -192,7 +201,7 @@ class AddressSpace:
 
     def check_place(self, addrs: torch.Tensor) -> None:
         """Raise what :meth:`place` would raise with validate on, changing nothing."""
-        addrs = self._addrs(addrs, "place: addrs").reshape(-1)
+        addrs = self.checked_addresses(addrs, "place: addrs").reshape(-1)
         with self.stream.scope():
             for g in self.groups:
                 g.check_place(addrs)
@@ -201,7 +210,7 @@ class AddressSpace:
         """Give new (unmapped, distinct) addresses a GPU slot in every group; ``int64 [n]``
         slots of the first group (``-1``: not placed). All-or-nothing when ``validate`` is on;
         off, overflow is masked and counted (see :mod:`ulacache.group`)."""
-        addrs = self._addrs(addrs, "place: addrs").reshape(-1)
+        addrs = self.checked_addresses(addrs, "place: addrs").reshape(-1)
         with self.stream.scope():
             if self.validate:  # every group accepts before any group changes
                 for g in self.groups:
@@ -211,7 +220,7 @@ class AddressSpace:
 
     def release(self, addrs: torch.Tensor) -> None:
         """Drop the rows of these addresses in every group (unmapped entries are skipped)."""
-        addrs = self._addrs(addrs, "release: addrs").reshape(-1)
+        addrs = self.checked_addresses(addrs, "release: addrs").reshape(-1)
         with self.stream.scope():
             for g in self.groups:
                 g.release(addrs)
@@ -221,13 +230,13 @@ class AddressSpace:
         """Write ``uint8 [n, row_bytes]`` rows of one layer for live addresses (host-checked)."""
         g = self.group_of(layer)
         with self.stream.scope():
-            g.write(layer, self._addrs(addrs, "write: addrs"), rows)
+            g.write(layer, self.checked_addresses(addrs, "write: addrs"), rows)
 
     def read(self, layer: int, addrs: torch.Tensor) -> torch.Tensor:
         """``uint8 [n, row_bytes]`` rows of one layer, from whichever tier holds them."""
         g = self.group_of(layer)
         with self.stream.scope():
-            return g.read(layer, self._addrs(addrs, "read: addrs"))
+            return g.read(layer, self.checked_addresses(addrs, "read: addrs"))
 
     def access(self, group: int, addrs: torch.Tensor,
                out: torch.Tensor | None = None) -> torch.Tensor:

@@ -132,7 +132,8 @@ class TPAddressSpace:
     storage : optional engine-owned tensors, one ``(name, uint8 [L_g, R, row_bytes])`` per
         group, each allocated with ``peers.alloc_shared(name, ...)`` (e.g. SGLang's
         ``kv_buffer`` with its sink page); ulacache uses rows ``[row_offset, row_offset + G +
-        1 + B)`` of it, and row ids it returns are relative to ``row_offset``.
+        1 + B)`` of it, and the rows :meth:`plan`, :meth:`access` and :meth:`translate` return
+        are rows of that tensor (the kernels add ``row_offset``).
     """
 
     def __init__(self, config: UlaCacheConfig, peers, *, n_logical: int,
@@ -168,6 +169,7 @@ class TPAddressSpace:
                                  f"{row_offset + R}, {rb}] tensor, got {t.dtype} "
                                  f"{tuple(t.shape)}")
         names = [name for name, _ in storage]
+        self.row_base = row_offset  # added to every row this space returns
         self.storage = [t[:, row_offset: row_offset + R] for _, t in storage]
         self.local = AddressSpace(config, self.device, n_logical=self.n_local,
                                   layer_groups=groups,
@@ -205,8 +207,8 @@ class TPAddressSpace:
         if self.groups[0].fused is not None:
             from ulacache.kernels.fused_tp import FusedGates
 
-            self._gates = [FusedGates(b, G, self.rank, self.P, config.call_capacity)
-                           for b in self.buffers]
+            self._gates = [FusedGates(b, G, self.rank, self.P, config.call_capacity,
+                                      row_base=self.row_base) for b in self.buffers]
         # a plan covers at most call_capacity entries (a decode step: one plan; larger calls:
         # access() in chunks); fused: this rank's rows of a plan, allocated once
         self.call_capacity = config.call_capacity
@@ -237,7 +239,9 @@ class TPAddressSpace:
         return self.local.health
 
     def attn_rows(self, layer: int) -> torch.Tensor:
-        """The tensor attention reads for ``layer``: ``uint8 [G + 1 + B, row_bytes]``."""
+        """This rank's rows of ``layer``, ``uint8 [G + 1 + B, row_bytes]``: own slots, scratch,
+        buffer. The rows :meth:`plan` returns index it after subtracting ``row_base`` (the
+        engine's offset, 0 for storage this space allocated)."""
         gi = self._group_of(layer)
         return self.storage[gi][self.groups[gi].layer_index[layer]]
 
@@ -249,7 +253,7 @@ class TPAddressSpace:
 
     def _split(self, addrs: torch.Tensor, name: str):
         """(flat global addresses, in range, this rank's, its local positions or -1)."""
-        flat = self.local._addrs(addrs, name).reshape(-1).to(torch.int64)
+        flat = self.local.checked_addresses(addrs, name).reshape(-1).to(torch.int64)
         inrange = (flat >= 0) & (flat < self.n_logical)
         mine = inrange & (owner_rank(flat, self.P) == self.rank)
         return flat, inrange, mine, torch.where(mine, local_position(flat, self.P), -1)
@@ -333,6 +337,12 @@ class TPAddressSpace:
             logger.warning("ulacache TP: own GPU pool %d rows < one step's selections %s; a step "
                            "whose selections fall unevenly on the ranks may overflow (counted "
                            "as access_overflow, served as padding)", self.gpu_slots, what)
+
+    def agree(self, ok: bool) -> bool:
+        """Collective (host-side): whether ``ok`` holds on every rank, e.g. that the engine's
+        logical allocation succeeded everywhere, so that every rank takes the same branch and
+        the lockstep schedulers stay in step (:meth:`ulacache.ipc.Peers.agree`)."""
+        return self.peers.agree(ok)
 
     # -- placement and release --------------------------------------------------------------
     def check_place(self, addrs: torch.Tensor) -> None:
@@ -500,6 +510,7 @@ class TPAddressSpace:
             bslot = b.lookup(safe)
             row = torch.where(mine, own.to(torch.int64),
                               torch.where(theirs & (bslot >= 0), self.gpu_slots + 1 + bslot, -1))
+            row = torch.where(row >= 0, row + self.row_base, -1)
             self._plans[group] = _Plan(torch.where(fetch, owner, -1),
                                        torch.where(fetch, owner_slot, -1),
                                        torch.where(fetch, self.gpu_slots + 1 + got, -1))
@@ -542,7 +553,7 @@ class TPAddressSpace:
         """:meth:`plan` on the fused path (checks done): own access over the global
         addresses (4 launches), gates' claims (1), the all-gather, the gates (3)."""
         g, gates = self.local.group(group), self._gates[group]
-        flat = self.local._addrs(addrs, "plan: addrs").reshape(-1).contiguous()
+        flat = self.local.checked_addresses(addrs, "plan: addrs").reshape(-1).contiguous()
         own = self._own[:flat.numel()]
         rows = out if out is not None and out.is_contiguous() else \
             torch.empty(addrs.shape, dtype=torch.int32, device=self.device)
@@ -597,7 +608,7 @@ class TPAddressSpace:
         own = self.local.groups[group].translate(lpos).to(torch.int64)
         bslot = self.buffers[group].lookup(torch.where(inrange & ~mine, flat, self.n_logical))
         row = torch.where(mine, own, torch.where(bslot >= 0, self.gpu_slots + 1 + bslot, -1))
-        return row.to(torch.int32).view(addrs.shape)
+        return torch.where(row >= 0, row + self.row_base, -1).to(torch.int32).view(addrs.shape)
 
     # -- observability and invariants ------------------------------------------------------
     def counters(self) -> list[dict[str, int]]:
