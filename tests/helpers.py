@@ -43,7 +43,7 @@ def space_snapshot(space: AddressSpace) -> dict:
         pol = g.policy
         for name, t in [("loc", g.loc), ("gown", g.gpu_owner), ("cown", g.cpu_owner),
                         ("gpu", g.pools.gpu), ("cpu", g.pools.cpu), ("free", g.pools.cpu_free),
-                        ("top", g.pools.cpu_top), ("claim", g._claim), ("ctr", g.counters)]:
+                        ("top", g.pools.cpu_top), ("claim", g.claim_table), ("ctr", g.counters)]:
             snap[f"{i}.{name}"] = t.clone()
         for name, t in vars(pol).items():
             if isinstance(t, torch.Tensor):
@@ -166,37 +166,13 @@ def device_table_bytes(root, rows: list[torch.Tensor], skip_attrs: tuple[str, ..
     their whole storage: what was allocated, not what is viewed."""
     from ulacache.health import CounterMonitor
     from ulacache.ipc import Peers
+    from ulacache.tools.ledger import reachable_storages
 
-    skip = {t.untyped_storage().data_ptr() for t in rows}
-    seen_obj: set[int] = set()
-    found: dict[int, tuple[str, int]] = {}
-
-    def walk(obj, path: str) -> None:
-        if isinstance(obj, torch.Tensor):
-            st = obj.untyped_storage()
-            if st.nbytes() and st.data_ptr() not in skip:
-                found.setdefault(st.data_ptr(), (path, st.nbytes()))
-            return
-        if id(obj) in seen_obj or isinstance(obj, (CounterMonitor, Peers)):
-            return
-        seen_obj.add(id(obj))
-        if isinstance(obj, (list, tuple)):
-            for i, v in enumerate(obj):
-                walk(v, f"{path}[{i}]")
-        elif isinstance(obj, dict):
-            for k, v in obj.items():
-                walk(v, f"{path}[{k!r}]")
-        elif type(obj).__module__.startswith(modules):
-            attrs = dict(vars(obj)) if hasattr(obj, "__dict__") else {}
-            for name in getattr(type(obj), "__slots__", ()):
-                if hasattr(obj, name):
-                    attrs[name] = getattr(obj, name)
-            for name, v in attrs.items():
-                if name not in skip_attrs:
-                    walk(v, f"{path}.{name}")
-
-    walk(root, "root")
-    return dict(found.values())
+    skip = {t.untyped_storage()._cdata for t in rows}
+    found = reachable_storages({"root": root}, modules=modules, stop=(CounterMonitor, Peers),
+                               skip_attrs=skip_attrs)
+    return {path: t.untyped_storage().nbytes() for key, (path, t) in found.items()
+            if key not in skip and t.untyped_storage().nbytes()}
 
 
 def load_bench(name: str):

@@ -368,11 +368,11 @@ _HOOKED_SIZES = textwrap.dedent(f"""
     from sglang.srt.model_executor.pool_configurator import DefaultPoolConfigurator
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from ulacache.config import SGLangOptions
-    from ulacache.patches import sglang_sizing as sz, sglang_tp_support as tps
+    from ulacache.patches import launch, sglang_sizing as sz
 
     ARCH = {{"glm5": ("GlmMoeDsaForCausalLM", 78), "dsv32": ("DeepseekV32ForCausalLM", 61)}}
     budget = int(sys.argv[1])
-    tps.tp_group = lambda: types.SimpleNamespace(world_size=8)
+    launch.tp_group = lambda: types.SimpleNamespace(world_size=8)
     out = {{}}
     for c in (2, 4):
         sa = prepare_server_args(["--model-path", "dummy", "--device", "cpu",
@@ -395,14 +395,16 @@ _HOOKED_SIZES = textwrap.dedent(f"""
                 layer_info=types.SimpleNamespace(start_layer=0, end_layer=layers,
                                                  num_effective_layers=layers))
             for mode in ("dp", "tp"):
-                sz.sglang_options = lambda: SGLangOptions(mode=mode, cpu_ratio=c)
+                launch.sglang_options = lambda: SGLangOptions(mode=mode, cpu_ratio=c)
                 conf = object.__new__(DefaultPoolConfigurator)
                 sz.pool_configurator_init_around(DefaultPoolConfigurator.__init__, conf, kvc)
+                lp = launch.plan_launch(kvc)  # what the sizing hook charged, the pool builds
                 out[f"{{model}}/{{mode}}/{{c}}"] = {{
                     "cell": conf._cell_size, "fixed": conf._fixed_overhead_bytes,
                     "tokens": conf.calculate_pool_sizes(budget, 64).max_total_num_tokens,
-                    "groups": len(sz.pool_layer_groups(kvc)),
-                    "sized": vars(tps.SIZED) if tps.SIZED else {{}}}}
+                    "groups": len(lp.layer_groups(layers)),
+                    "sized": {{"buffer_slots": lp.buffer_slots, "tp_size": lp.tp_size}}
+                    if mode == "tp" else {{}}}}
     print("RESULT " + json.dumps(out))
 """)
 

@@ -100,7 +100,7 @@ def check_fits(report: dict) -> None:
     assert report["transient_peak"] < 400 * MIB
     assert max(report["retained"].values()) <= 1 * MIB
     assert {"prefill", "decode", "finish", "abort"} <= set(report["transient"])
-    assert any("fused._scratch" in name or "_gates" in name for name in report["allocations"])
+    assert any("fused.shared_scratch" in name or "_gates" in name for name in report["allocations"])
     # production mode reads no device value on any of these paths (a read is a host sync: it
     # would stall the scheduler's CPU side under overlap scheduling)
     assert report["value_reads"] == {}

@@ -19,6 +19,7 @@ current round (rows this step reads or wrote) are never victims.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 
 import torch
@@ -28,19 +29,20 @@ from .pools import resolve_device
 
 __all__ = ["ReplacementPolicy", "PBLRU", "PBLRUArena", "ExactLRU", "POLICIES", "make_policy"]
 
-_WORD_BITS = 63  # bits per int64 word: bit 63 unused, so +/- 2**b scatter-adds never overflow
-_SUPER = 16  # words per superblock (second level of the count hierarchy)
-_HYPER = 64  # superblocks per hyper block (third level: the fused kernels' victim search)
+WORD_BITS = 63  # bits per int64 word: bit 63 unused, so +/- 2**b scatter-adds never overflow
+SUPER = 16  # words per superblock (second level of the count hierarchy)
+HYPER = 64  # superblocks per hyper block (third level: the fused kernels' victim search)
 _FREE = -(2**62)  # stamp of a free slot
 
 
+@functools.lru_cache(maxsize=None)
 def _byte_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``POPCOUNT[256]`` and ``SELECT[256, 8]`` (position of the r-th set bit of a byte)."""
+    """``POPCOUNT[256]`` and ``SELECT[256, 8]`` (position of the r-th set bit of a byte), one
+    read-only pair per device shared by every policy (a model has one policy per selection
+    group and, in TP mode, per buffer: building them per policy cost ~0.1 s each)."""
     popcount = torch.tensor([bin(v).count("1") for v in range(256)], dtype=torch.int32)
-    select = torch.zeros(256, 8, dtype=torch.int64)
-    for v in range(256):
-        ones = [b for b in range(8) if v >> b & 1]
-        select[v, : len(ones)] = torch.tensor(ones, dtype=torch.int64)
+    select = torch.tensor([[b for b in range(8) if v >> b & 1] + [0] * (8 - bin(v).count("1"))
+                           for v in range(256)], dtype=torch.int64)
     return popcount.to(device), select.to(device)
 
 
@@ -153,7 +155,7 @@ class PBLRU(ReplacementPolicy):
     """
 
     def __init__(self, n_slots: int, n_buckets: int = 64, device: torch.device | str = "cpu",
-                 bucket_fill: int | None = None, hyper: int = _HYPER,
+                 bucket_fill: int | None = None, hyper: int = HYPER,
                  arena: tuple[PBLRUArena, int] | None = None):
         if n_slots < 1 or n_buckets < 2:
             raise ShapeError("PBLRU needs n_slots >= 1 and n_buckets >= 2")
@@ -161,8 +163,8 @@ class PBLRU(ReplacementPolicy):
         self.bucket_fill = -(-self.n_slots // self.n_buckets) if bucket_fill is None \
             else int(bucket_fill)
         self.device = resolve_device(device)
-        self.n_super = -(-self.n_slots // (_WORD_BITS * _SUPER))
-        self.n_words = self.n_super * _SUPER  # padded to whole superblocks
+        self.n_super = -(-self.n_slots // (WORD_BITS * SUPER))
+        self.n_words = self.n_super * SUPER  # padded to whole superblocks
         self.hyper = int(hyper)  # superblocks per hyper block (small in tests: deep searches)
         if self.hyper < 1:
             raise ShapeError("PBLRU needs hyper >= 1")
@@ -194,15 +196,15 @@ class PBLRU(ReplacementPolicy):
         bit and set the new one (+/- 2**bit scatter-adds: no carries, as the old bit is set and
         the new one clear), keeping word and superblock counts in step. Masked entries land in
         the scratch word / superblock. One scatter per table."""
-        word = torch.div(slots, _WORD_BITS, rounding_mode="floor")
-        value = torch.bitwise_left_shift(torch.ones_like(word), slots - word * _WORD_BITS)
-        sup = torch.div(word, _SUPER, rounding_mode="floor")
+        word = torch.div(slots, WORD_BITS, rounding_mode="floor")
+        value = torch.bitwise_left_shift(torch.ones_like(word), slots - word * WORD_BITS)
+        sup = torch.div(word, SUPER, rounding_mode="floor")
         hyp = torch.where(mask, torch.div(sup, self.hyper, rounding_mode="floor"), self.n_hyper)
         sup = torch.where(mask, sup, self.n_super)
         word = torch.where(mask, word, self.n_words)
         col = torch.where(mask, 0, 1)
         ones = torch.ones_like(word, dtype=torch.int32)
-        w1, s1, h1 = self.n_words + _SUPER, self.n_super + 1, self.n_hyper + 1
+        w1, s1, h1 = self.n_words + SUPER, self.n_super + 1, self.n_hyper + 1
         index = [(dst_rows * w1 + word, dst_rows * s1 + sup, dst_rows * h1 + hyp,
                   dst_rows * 2 + col)]
         if src_rows is not None:
@@ -295,18 +297,18 @@ class PBLRU(ReplacementPolicy):
         sb_local = torch.remainder(sb, self.n_super)
         # Level 2: the word inside the superblock, then the bit inside the word.
         block = row * (self.n_super + 1) + sb_local  # one contiguous 16-word block per rank
-        wc = self.counts.view(-1, _SUPER).index_select(0, block)
+        wc = self.counts.view(-1, SUPER).index_select(0, block)
         wends = torch.cumsum(wc, 1, dtype=torch.int32)
         r1 = r1.to(torch.int32)  # same dtype as wends: no promotion copies of [n, 16]
         # words whose running count is <= r1 come before the one holding rank r1
         which = torch.searchsorted(wends, r1.unsqueeze(1), right=True).squeeze(1)
-        which = which.clamp(max=_SUPER - 1)
+        which = which.clamp(max=SUPER - 1)
         before = torch.where(which > 0, wends.gather(1, (which - 1).clamp(min=0).unsqueeze(1))
                              .squeeze(1), 0)
-        word = sb_local * _SUPER + which
-        words = self.bits.view(-1).index_select(0, row * (self.n_words + _SUPER) + word)
+        word = sb_local * SUPER + which
+        words = self.bits.view(-1).index_select(0, row * (self.n_words + SUPER) + word)
         bit = self._select_bit(words, r1 - before)
-        slot = word * _WORD_BITS + bit
+        slot = word * WORD_BITS + bit
         return torch.where(ranks < total, slot, -1)
 
     def _select_bit(self, words: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
@@ -371,8 +373,8 @@ def _bucket_tables(n: int, n_buckets: int, n_words: int, n_super: int, n_hyper: 
     epoch_t, entered)."""
     rows = n_buckets + 3
     i32 = dict(dtype=torch.int32, device=device)
-    return (torch.zeros(n, rows, n_words + _SUPER, dtype=torch.int64, device=device),
-            torch.zeros(n, rows, n_words + _SUPER, **i32),
+    return (torch.zeros(n, rows, n_words + SUPER, dtype=torch.int64, device=device),
+            torch.zeros(n, rows, n_words + SUPER, **i32),
             torch.zeros(n, rows, n_super + 1, **i32),
             torch.zeros(n, rows, n_hyper + 1, **i32),
             torch.zeros(n, rows, 2, **i32),
@@ -390,12 +392,12 @@ class PBLRUArena:
 
     def __init__(self, n: int, n_slots: int, n_buckets: int = 64,
                  device: torch.device | str = "cpu", bucket_fill: int | None = None,
-                 hyper: int = _HYPER):
+                 hyper: int = HYPER):
         if n < 1:
             raise ShapeError("PBLRUArena needs at least one policy")
-        n_super = -(-int(n_slots) // (_WORD_BITS * _SUPER))  # PBLRU's geometry rule
+        n_super = -(-int(n_slots) // (WORD_BITS * SUPER))  # PBLRU's geometry rule
         self.device = resolve_device(device)
-        self.tables = _bucket_tables(n, int(n_buckets), n_super * _SUPER, n_super,
+        self.tables = _bucket_tables(n, int(n_buckets), n_super * SUPER, n_super,
                                      -(-n_super // max(1, int(hyper))), self.device)
         self.policies = [PBLRU(n_slots, n_buckets, self.device, bucket_fill, hyper,
                                arena=(self, i)) for i in range(n)]

@@ -13,7 +13,7 @@ from fractions import Fraction
 from .config import CALL_FLOOR
 from .errors import ConfigError
 from .group import COUNTERS
-from .pblru import _HYPER, _SUPER, _WORD_BITS, POLICIES
+from .pblru import HYPER, POLICIES, SUPER, WORD_BITS
 
 __all__ = ["Affine", "TPTables", "table_bytes", "table_bytes_per_slot", "call_scratch_bytes",
            "coordinator_output_bytes"]
@@ -49,6 +49,11 @@ class Affine:
         return Affine(self.per / d, (self.fixed + d - 1) / d)
 
 
+# PB-LRU's byte tables (popcount int32 [256], select int64 [256, 8]): one read-only pair per
+# device shared by every policy (ulacache.pblru._byte_tables), so charged once per rank.
+BYTE_TABLE_BYTES = 256 * 4 + 256 * 8 * 8
+
+
 def _policy_bytes(policy: str, n: Affine, n_buckets: int) -> Affine:
     """Device bytes of one replacement policy over ``n`` slots (every tensor its constructor
     allocates, :mod:`ulacache.pblru`)."""
@@ -57,15 +62,14 @@ def _policy_bytes(policy: str, n: Affine, n_buckets: int) -> Affine:
     if policy != "pblru":
         raise ConfigError(f"no table sizes for policy {policy!r}; legal: {sorted(POLICIES)}")
     rows = n_buckets + 3  # free, cold, n_b recent, current
-    supers = n.ceil_div(_WORD_BITS * _SUPER)  # n_super
-    hypers = supers.ceil_div(_HYPER)  # n_hyper
-    words = _SUPER * supers + _SUPER  # n_words (whole superblocks) + a scratch superblock
+    supers = n.ceil_div(WORD_BITS * SUPER)  # n_super
+    hypers = supers.ceil_div(HYPER)  # n_hyper
+    words = SUPER * supers + SUPER  # n_words (whole superblocks) + a scratch superblock
     return (rows * words * (8 + 4)  # bits int64 and counts int32 [rows, n_words + 16]
             + rows * 4 * (supers + 1) + rows * 4 * (hypers + 1)  # super/hyper_counts int32
             + rows * 2 * 4  # row_counts int32 [rows, 2]
             + 2 * 8 * (n + 1)  # round_of, epoch_of int64 [n + 1]
             + 3 * 8  # round_t, epoch_t, entered
-            + 256 * 4 + 256 * 8 * 8  # the byte tables: popcount int32 [256], select int64 [256, 8]
             + 8 * n_buckets + 2 * 8)  # _ring int64 [n_b], _head int64 [2]
 
 
@@ -98,7 +102,8 @@ def table_bytes(groups: int, *, n_logical: int | Affine, gpu_slots: int | Affine
     Counted, per selection group (:class:`~ulacache.group.SelectionGroup`): the mapping
     ``loc int64 [n + 1]``, ``gpu_owner int64 [G + 1]``, ``cpu_owner`` and the CPU free stack
     ``int64 [C + 1]`` each, ``cpu_top``, the policy over ``G`` slots (PB-LRU's bucket tables
-    may be stacked in one arena per address space: the same bytes); per address space: the
+    may be stacked in one arena per address space: the same bytes); per rank: PB-LRU's
+    byte tables (one pair per device, shared by every policy); per address space: the
     shared claim table ``int64 [n + 1]`` and the counter table ``int64 [groups, 11]``. With
     ``tp`` (per group, :class:`~ulacache.buffer.LocalBuffer`): ``slot_of int32 [N + 1]`` over
     the *global* addresses, ``holder int64 [B + 1]``, a policy over ``B`` slots; per rank: the
@@ -114,6 +119,8 @@ def table_bytes(groups: int, *, n_logical: int | Affine, gpu_slots: int | Affine
     group = (8 * (n + 1) + 8 * (G + 1) + 2 * 8 * (C + 1) + 8
              + _policy_bytes(policy, G, n_buckets))
     total = groups * group + 8 * (n + 1) + groups * len(COUNTERS) * 8
+    if policy == "pblru":
+        total = total + BYTE_TABLE_BYTES
     if tp is not None:
         from .tp import TP_COUNTERS  # tp imports this module
 

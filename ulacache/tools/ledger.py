@@ -184,3 +184,43 @@ class Ledger(TorchDispatchMode):
             out = func(*args, **kwargs)
         self._record(out)
         return out
+
+
+def reachable_storages(roots: dict[str, object], modules: tuple[str, ...] = ("ulacache",),
+                       stop: tuple[type, ...] = (), skip_attrs: tuple[str, ...] = (),
+                       max_depth: int | None = None) -> dict[int, tuple[str, torch.Tensor]]:
+    """Every tensor storage reachable from ``roots`` (name -> object): storage key (its
+    ``_cdata``, unique on every device, meta included) -> (the attribute path it was first
+    reached at, a tensor on it). Followed: lists, tuples, dicts and the attributes (``__dict__``
+    and ``__slots__``) of objects whose class lives in one of ``modules``; not followed:
+    instances of ``stop``, attributes named in ``skip_attrs``, anything deeper than
+    ``max_depth``. Views count once, as their storage (what was allocated, not viewed)."""
+    found: dict[int, tuple[str, torch.Tensor]] = {}
+    seen: set[int] = set()
+
+    def walk(obj, path: str, depth: int) -> None:
+        if isinstance(obj, torch.Tensor):
+            found.setdefault(obj.untyped_storage()._cdata, (path, obj))
+            return
+        if id(obj) in seen or isinstance(obj, stop) or \
+                (max_depth is not None and depth > max_depth):
+            return
+        seen.add(id(obj))
+        if isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(v, f"{path}[{i}]", depth + 1)
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, f"{path}[{k!r}]", depth + 1)
+        elif type(obj).__module__.startswith(modules):
+            attrs = dict(vars(obj)) if hasattr(obj, "__dict__") else {}
+            for name in getattr(type(obj), "__slots__", ()):
+                if hasattr(obj, name):
+                    attrs[name] = getattr(obj, name)
+            for name, v in attrs.items():
+                if name not in skip_attrs:
+                    walk(v, f"{path}.{name}", depth + 1)
+
+    for name, root in roots.items():
+        walk(root, name, 0)
+    return found

@@ -43,7 +43,7 @@ from ulacache.errors import UlaCacheError
 from ulacache.ipc import Peers
 
 from .capacity import CONTEXT_LEN, GB, MODELS, PLATFORMS, WEIGHTS_GB
-from .ledger import Ledger
+from .ledger import Ledger, reachable_storages
 
 log = logging.getLogger(__name__)
 
@@ -233,8 +233,7 @@ class MirrorPeers(Peers):
 
 class MirrorTPGroup:
     """SGLang's ``GroupCoordinator`` surface the TP seam uses (``world_size``,
-    ``rank_in_group``, ``all_gather_into_tensor``, the allocator's agreement), over
-    :class:`MirrorPeers`: every rank agrees with this one."""
+    ``rank_in_group``, ``all_gather_into_tensor``), over :class:`MirrorPeers`."""
 
     def __init__(self, peers: MirrorPeers) -> None:
         self.peers = peers
@@ -244,40 +243,12 @@ class MirrorTPGroup:
     def all_gather_into_tensor(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         out.view(self.world_size, -1).copy_(self.peers.all_gather(inp.reshape(-1)))
 
-    def agree(self, ok: bool) -> bool:
-        return ok
-
 
 def _named(roots: dict[str, object]) -> dict[int, str]:
-    """Storage id -> the attribute path it was first reached at, through objects of ulacache and
-    SGLang (lists, tuples, dicts followed; peers not)."""
-    found: dict[int, str] = {}
-    seen: set[int] = set()
-
-    def walk(obj, path: str, depth: int) -> None:
-        if isinstance(obj, torch.Tensor):
-            found.setdefault(obj.untyped_storage()._cdata, path)
-            return
-        if id(obj) in seen or depth > 12 or isinstance(obj, Peers):
-            return
-        seen.add(id(obj))
-        if isinstance(obj, (list, tuple)):
-            for i, v in enumerate(obj):
-                walk(v, f"{path}[{i}]", depth + 1)
-        elif isinstance(obj, dict):
-            for k, v in obj.items():
-                walk(v, f"{path}[{k!r}]", depth + 1)
-        elif type(obj).__module__.startswith(("ulacache", "sglang")):
-            attrs = dict(vars(obj)) if hasattr(obj, "__dict__") else {}
-            for name in getattr(type(obj), "__slots__", ()):
-                if hasattr(obj, name):
-                    attrs[name] = getattr(obj, name)
-            for name, v in attrs.items():
-                walk(v, f"{path}.{name}", depth + 1)
-
-    for name, root in roots.items():
-        walk(root, name, 0)
-    return found
+    """Storage key -> the attribute path it was first reached at, through objects of ulacache
+    and SGLang (lists, tuples, dicts followed; peers not)."""
+    return {key: path for key, (path, _) in reachable_storages(
+        roots, modules=("ulacache", "sglang"), stop=(Peers,), max_depth=12).items()}
 
 
 def _pattern(path: str) -> str:
@@ -307,10 +278,12 @@ def owner(name: str) -> str:
     return "ulacache"
 
 
-def rank_body(plan: Plan, n_tokens: int, model_config, peers: MirrorPeers | None = None
-              ) -> dict:
+def rank_body(plan: Plan, n_tokens: int, model_config, launch,
+              peers: MirrorPeers | None = None) -> dict:
     """Build this rank's pool, allocator and coordinator and drive the worst-case calls; the
-    ledger of this thread accounts every meta-device byte."""
+    ledger of this thread accounts every meta-device byte. ``launch``: the launch plan the
+    sizing hook charged (:func:`ulacache.patches.launch.plan_launch`), which SGLang's
+    pool-building hook hands the pool too."""
     from sglang.srt.mem_cache.kv_cache_configurator import calculate_mla_kv_cache_dim
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
@@ -319,11 +292,8 @@ def rank_body(plan: Plan, n_tokens: int, model_config, peers: MirrorPeers | None
         UlaCacheDSATokenToKVPool,
         UlaCacheTokenToKVPoolAllocator,
     )
-    from ulacache.patches.sglang_pool import sglang_options
-
     g = MODELS[plan.key][1]()
-    opts = sglang_options()
-    ratio = opts.host_to_device_ratio
+    ratio = launch.options.host_to_device_ratio
     R, K, L = plan.running, g.index_topk, g.n_layers
     steps = max(1, plan.draft_tokens)
     dim = calculate_mla_kv_cache_dim(model_config=model_config,
@@ -336,14 +306,13 @@ def rank_body(plan: Plan, n_tokens: int, model_config, peers: MirrorPeers | None
                              enable_memory_saver=False)
         extra = {}
         if peers is not None:
-            extra = dict(ulacache_tp_group=MirrorTPGroup(peers), ulacache_peers=peers,
-                         ulacache_top_k=K)
+            extra = dict(ulacache_tp_group=MirrorTPGroup(peers), ulacache_peers=peers)
         pool = UlaCacheDSATokenToKVPool(
             n_tokens, page_size=PAGE, kv_lora_rank=g.kv_lora_rank, dtype=torch.float8_e4m3fn,
             qk_rope_head_dim=g.qk_rope_dim, layer_num=L, device=dev,
             index_head_dim=g.index_head_dim, enable_memory_saver=False, kv_cache_dim=dim,
             max_running_requests=R, tail_extra_slots=plan.draft_tokens,
-            host_to_device_ratio=ratio, **extra)
+            host_to_device_ratio=ratio, ulacache_plan=launch, **extra)
         alloc = UlaCacheTokenToKVPoolAllocator(n_tokens, page_size=PAGE,
                                                dtype=torch.float8_e4m3fn, device=dev,
                                                kvcache=pool, need_sort=False,
@@ -499,13 +468,12 @@ def sizing_group(plan: Plan):
                                                                   rank_in_group=0))
 
 
-def build_and_drive(plan: Plan, n_tokens: int, kvc) -> list[dict]:
+def build_and_drive(plan: Plan, n_tokens: int, kvc, launch) -> list[dict]:
     """The report of one rank: a DP worker (every worker is the same), or TP rank 0 with
     mirrored peers (:class:`MirrorPeers`; ranks differ by at most one owned token per request
     and page of a prefill)."""
-    if plan.mode == "tp":
-        return [rank_body(plan, n_tokens, kvc.model_config, MirrorPeers(plan.gpus))]
-    return [rank_body(plan, n_tokens, kvc.model_config)]
+    peers = MirrorPeers(plan.gpus) if plan.mode == "tp" else None
+    return [rank_body(plan, n_tokens, kvc.model_config, launch, peers)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -515,7 +483,7 @@ def rehearse(plan: Plan) -> dict:
     """Run one rehearsal; the report as a dict (``ok``, per-GPU figures, ``fails``)."""
     from sglang.srt.model_executor.pool_configurator import DefaultPoolConfigurator
 
-    from ulacache.patches import sglang_tp_support as tps
+    from ulacache.patches.launch import plan_launch
 
     if plan.mode == "tp":  # TP mode's launch requirement (patches/server_args.py refuses without)
         os.environ["SGLANG_DSA_TOPK_BROADCAST"] = "1"
@@ -528,10 +496,10 @@ def rehearse(plan: Plan) -> dict:
     static = int(plan.mem_fraction * hbm)
     budget = static - int(WEIGHTS_GB[plan.key] * GB)
     headroom = hbm - static
-    tps.SIZED = None
     kvc = configurator_view(plan, sa)
     with sizing_group(plan):
         conf = DefaultPoolConfigurator(kvc)  # the sizing hook runs here
+        launch = plan_launch(kvc)  # what the hook charged, and the pool-building hook passes
     n_tokens = conf.calculate_pool_sizes(budget, PAGE).max_total_num_tokens
     if plan.max_total_tokens and plan.max_total_tokens < n_tokens:
         # SGLang's user cap (kv_cache_configurator.py _apply_token_constraints, then
@@ -542,7 +510,7 @@ def rehearse(plan: Plan) -> dict:
     LAUNCHES[0] = 0
     try:
         with kernels_recorded():
-            ranks = build_and_drive(plan, n_tokens, kvc)
+            ranks = build_and_drive(plan, n_tokens, kvc, launch)
     except (UlaCacheError, RehearsalFailed) as exc:
         # a start-up check or the allocator refused: what a launch would stop on
         return {"plan": asdict(plan), "ok": False, "fails": [f"{type(exc).__name__}: {exc}"],
