@@ -10,11 +10,12 @@ They keep HiSparse's constructor signatures and every method SGLang calls (see
 - coordinator (``sglang_coordinator.py``): staging, decode placement and the per-layer
   ``swap_in_selected_pages``.
 
-Each class builds its TP-mode subclass (``sglang_tp_pool.py``, ``sglang_tp_runtime.py``) when
-``--ulacache-config`` says ``"mode": "tp"``. The sizing hook (``sglang_sizing.py``: ulacache's
-tables in SGLang's per-token cell, both modes; TP striping and the buffer in TP mode) and TP
-mode's sharded top-k hook (``sglang_tp_support.py``, a no-op in DP mode) are registered with
-the others.
+Each class is written once for both modes: the pool chooses the mode from the launch plan
+(``launch.py``: ``--ulacache-config``, the model's top-k sharing, the stripe width) and builds
+the core (:class:`ulacache.core.Core`) the other two call. The sizing hook (``sglang_sizing.py``:
+ulacache's tables in SGLang's per-token cell, both modes; TP striping and the buffer in TP mode,
+from the same launch plan) and TP mode's sharded top-k hook (``sglang_tp_support.py``, a no-op
+in DP mode) are registered with the others.
 
 This module is what the plugin imports: the three classes and the extra hooks they need.
 """
@@ -23,15 +24,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from .launch import building, layer_groups_from_skip, plan_launch, sglang_options
 from .sglang_allocator import ADMISSION_HOOKS, UlaCacheTokenToKVPoolAllocator
 from .sglang_coordinator import UlaCacheCoordinator
-from .sglang_pool import (
-    MODEL_SKIPS,
-    UlaCacheDSATokenToKVPool,
-    layer_groups_from_skip,
-    sglang_options,
-)
-from .sglang_sizing import SIZING_HOOKS, model_skip_flags
+from .sglang_pool import UlaCacheDSATokenToKVPool
+from .sglang_sizing import SIZING_HOOKS
 from .sglang_tp_support import TP_HOOKS
 
 __all__ = ["UlaCacheDSATokenToKVPool", "UlaCacheTokenToKVPoolAllocator", "UlaCacheCoordinator",
@@ -55,17 +52,14 @@ def _parse_hisparse_config_around(original_fn, *args, **kwargs):
 
 
 def _build_dsa_kv_pool_around(original_fn, self, *args, **kwargs):
-    """Record the model's top-k sharing pattern (SGLang's own ``dsa_layer_skips_topk``) for the
-    pool being built, so shared layers join their anchor's selection group: under HiSparse SGLang
-    does not pass ``skip_topk_layers`` to the pool (it would elide their index-K). The index-K
-    allocation is unchanged. The coordinator cross-checks the groups against SGLang's
-    ``shared_index_layers`` at start-up; the sizing hook charged the tables of these groups
-    (``sglang_sizing.pool_layer_groups``, same flags)."""
-    token = MODEL_SKIPS.set(model_skip_flags(self))
-    try:
+    """Build the pool with this configurator's launch plan (:func:`~.launch.plan_launch`, the
+    same the sizing hook charged), which SGLang's call site cannot pass: under HiSparse it
+    passes no ``skip_topk_layers`` (it would elide their index-K), so the plan's copy of the
+    model's pattern makes shared layers join their anchor's selection group, and in TP mode
+    the plan sizes the buffer exactly as charged. The index-K allocation is unchanged; the
+    coordinator cross-checks the groups against SGLang's ``shared_index_layers`` at start-up."""
+    with building(plan_launch(self)):
         return original_fn(self, *args, **kwargs)
-    finally:
-        MODEL_SKIPS.reset(token)
 
 
 EXTRA_HOOKS: dict[str, tuple[Any, str]] = {

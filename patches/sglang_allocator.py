@@ -1,7 +1,16 @@
-"""ulacache's stand-in for SGLang's ``HiSparseTokenToKVPoolAllocator``: SGLang's own paged
-allocator hands out logical addresses over ``N x (1 + cpu_ratio)`` tokens (= unique capacity,
-exclusive tiers); prefill tokens are placed in every group's GPU pool at allocation, decode
-tokens by the coordinator, and ``free`` drops rows from both tiers.
+"""ulacache's stand-in for SGLang's ``HiSparseTokenToKVPoolAllocator``, one class for both
+modes: SGLang's own paged allocator hands out logical addresses over ``N x (1 + cpu_ratio)``
+tokens (= unique capacity, exclusive tiers); prefill tokens are placed in every group's GPU pool
+at allocation, decode tokens by the coordinator, and ``free`` drops rows from both tiers.
+
+TP mode: SGLang's TP schedulers run in lockstep (SPMD): every rank makes the same calls with
+the same arguments, and every call here that reaches a collective of the core (``begin_round``,
+``place`` / ``release`` / ``check_place`` with validate on) is made on every rank in the same
+order. What could differ per rank is each rank's room, so every yes/no the scheduler sees is the
+same on every rank: the prefill fit check (the core's ``prefill_fits``) counts each rank's share
+from the sequence lengths alone, the logical allocation's success is agreed (the core's
+``agree``: one host byte over gloo; DP: local), and with validate on the core's ``check_place``
+agrees through its own all-gather. A batch is refused on every rank or on none.
 
 Stream order: SGLang calls the allocator from its scheduler's ``schedule_stream`` while the
 forward runs on ``forward_stream``; the address space issues every one of these mutations on
@@ -17,8 +26,8 @@ from sglang.srt.mem_cache.allocator.hisparse import HiSparseTokenToKVPoolAllocat
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.prefill_budget import PrefillBudget
 
+from ulacache.core import Core
 from ulacache.errors import CapacityExhausted
-from ulacache.space import AddressSpace
 
 from .sglang_pool import UlaCacheDSATokenToKVPool
 
@@ -29,7 +38,7 @@ class _GpuPoolView:
     """What other SGLang code reads as ``allocator.hisparse_attn_allocator``: the GPU pool of the
     first selection group (size and free/evictable slots)."""
 
-    def __init__(self, core: AddressSpace):
+    def __init__(self, core: Core):
         self.core = core
         self.size = core.config.gpu_slots
 
@@ -110,22 +119,8 @@ ADMISSION_HOOKS = {
 
 
 class UlaCacheTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
-    """Logical addresses from SGLang's paged allocator; rows placed and freed in the core.
-
-    Over a TP-mode pool construction builds the TP subclass
-    :class:`~ulacache.patches.sglang_tp_runtime.UlaCacheTPTokenToKVPoolAllocator` instead.
-    """
-
-    def __new__(cls, *args, **kwargs):
-        if cls is UlaCacheTokenToKVPoolAllocator:
-            kvcache = kwargs.get("kvcache", args[4] if len(args) > 4 else None)
-            from .sglang_tp_pool import UlaCacheTPDSATokenToKVPool
-
-            if isinstance(kvcache, UlaCacheTPDSATokenToKVPool):
-                from .sglang_tp_runtime import UlaCacheTPTokenToKVPoolAllocator
-
-                cls = UlaCacheTPTokenToKVPoolAllocator
-        return super().__new__(cls)
+    """Logical addresses from SGLang's paged allocator; rows placed and freed in the core (TP:
+    each rank places the tokens it owns and buffer copies of the rest)."""
 
     def __init__(self, size: int, page_size: int, dtype: torch.dtype, device: torch.device,
                  kvcache: UlaCacheDSATokenToKVPool, need_sort: bool,
@@ -133,7 +128,7 @@ class UlaCacheTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         # HiSparse's constructor builds a device-slot allocator and a 0-means-unmapped mapping
         # ulacache does not use; the state below is what SGLang and the base class read.
         self._kvcache = kvcache
-        self.core: AddressSpace = kvcache.core
+        self.core: Core = kvcache.core
         self._size_full = size * host_to_device_ratio
         self._size_hisparse = size
         self.compress_ratio = 1
@@ -185,35 +180,42 @@ class UlaCacheTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
 
     def alloc_extend(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc,
                      extend_num_tokens):
-        """Prefill: logical addresses, then a GPU slot for each in every group (new round).
+        """Prefill: logical addresses, a new round, then a GPU slot for each in every group
+        (TP: own rows in this rank's pool, buffer copies of peers' rows).
 
-        The prefill attention of this batch may select any token of its requests, and all of
-        them must be GPU-resident in the same round: a batch whose total length exceeds the GPU
-        pool is refused (``None``, SGLang's out-of-memory path) instead of served wrongly.
+        The prefill attention of this batch may select any token of its requests, prefix
+        included, and all of them must be GPU-resident in the same round: a batch the core's
+        ``prefill_fits`` refuses is refused here (``None``, SGLang's out-of-memory path) on
+        every rank, instead of served wrongly. Admission (:class:`UlaCachePrefillBudget`,
+        :meth:`max_new_tokens_for_memory`) refuses such batches first.
         """
         lens = [int(n) for n in seq_lens_cpu.reshape(-1).tolist()]
-        if not self.prefill_fits(lens):  # admission (the prefill budget) should have refused
-            logger.warning("ulacache: prefill batch spans %d tokens, more than the %d-slot GPU "
-                           "pool; lower --chunked-prefill-size / the prompt length, or give the "
-                           "KV cache more memory", sum(lens), self.core.config.gpu_slots)
+        if not self.prefill_fits(lens):
+            logger.warning("ulacache: prefill batch spans %d tokens, more than one round of the "
+                           "GPU pool (%d own slots, %d buffer rows per rank) holds; lower "
+                           "--chunked-prefill-size / the prompt length, or give the KV cache "
+                           "more memory", sum(lens), self.core.config.gpu_slots,
+                           self.core.config.buffer_slots)
             return None
         locs = self.logical_attn_allocator.alloc_extend(
             prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens)
-        if locs is None:
+        if not self.core.agree(locs is not None):
+            if locs is not None:
+                self.logical_attn_allocator.free(locs)
             return None
         self.core.begin_round()
         try:
-            # After begin_round every GPU slot is free or evictable and prefill_fits held the
-            # batch to the GPU pool, the logical allocator to the unique capacity: room is
-            # certain, so only validate pays the host sync (it would stall the scheduler's
-            # CPU side of the next batch under overlap scheduling)
+            # After begin_round every GPU slot (TP: and buffer slot) is free or evictable,
+            # prefill_fits held the batch to one round and the logical allocator to the unique
+            # capacity: room is certain, so only validate pays the check's host syncs (they
+            # would stall the scheduler's CPU side of the next batch under overlap scheduling)
             if self.core.validate:
-                self.core.check_room(locs.numel())
-            self.core.place(locs)
+                self.core.check_place(locs)  # TP: collective, the same verdict on every rank
         except CapacityExhausted as exc:
-            logger.warning("ulacache: prefill batch does not fit this round's GPU room (%s)", exc)
+            logger.warning("ulacache: prefill batch does not fit this round (%s)", exc)
             self.logical_attn_allocator.free(locs)
             return None
+        self.core.place(locs)
         return locs
 
     def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc):

@@ -1,7 +1,10 @@
-"""ulacache's stand-in for SGLang's ``HiSparseCoordinator``: the one object the scheduler, the
-model runner and the DSA backend call. ``swap_in_selected_pages`` turns top-k positions into
-addresses (``req_to_token``) and runs the core's sparse access on the group's anchor layer; the
-other layers of the group get the same graph-stable output tensor.
+"""ulacache's stand-in for SGLang's ``HiSparseCoordinator``, one class for both modes: the one
+object the scheduler, the model runner and the DSA backend call. ``swap_in_selected_pages``
+turns top-k positions into addresses (``req_to_token``) and plans them on the group's anchor
+layer (the core's ``plan``: DP, the sparse access; TP, own promotions, one all-gather of slot
+tables and buffer claims); every layer of the group then ``load``s its own bytes of the planned
+rows (DP: nothing to move; TP: one gather of peers' rows) and gets the same graph-stable output
+tensor.
 
 Streams: ``set_decode_producer_stream`` makes SGLang's forward stream the core stream, so every
 core mutation (the scheduler's allocation, placement and frees included) is ordered with the
@@ -16,8 +19,8 @@ from typing import Any, NamedTuple
 import torch
 from sglang.srt.managers.hisparse_coordinator import HiSparseCoordinator, HiSparseTokenStats
 
+from ulacache.core import Core
 from ulacache.errors import ConfigError, StaleSelectionError
-from ulacache.space import AddressSpace
 from ulacache.streams import capturing
 
 from .sglang_metrics import MetricsBridge
@@ -33,22 +36,7 @@ class _Staged(NamedTuple):
 
 
 class UlaCacheCoordinator(HiSparseCoordinator):
-    """The one object SGLang's scheduler, model runner and DSA backend call (DP mode).
-
-    Over a TP-mode pool (``--ulacache-config`` mode ``"tp"``) construction builds the TP
-    subclass :class:`~ulacache.patches.sglang_tp_runtime.UlaCacheTPCoordinator` instead.
-    """
-
-    def __new__(cls, *args, **kwargs):
-        if cls is UlaCacheCoordinator:
-            alloc = kwargs.get("token_to_kv_pool_allocator", args[1] if len(args) > 1 else None)
-            from .sglang_tp_pool import UlaCacheTPDSATokenToKVPool
-
-            if alloc is not None and isinstance(alloc.get_kvcache(), UlaCacheTPDSATokenToKVPool):
-                from .sglang_tp_runtime import UlaCacheTPCoordinator
-
-                cls = UlaCacheTPCoordinator
-        return super().__new__(cls)
+    """The one object SGLang's scheduler, model runner and DSA backend call (both modes)."""
 
     def __init__(self, req_to_token_pool, token_to_kv_pool_allocator, top_k: int,
                  device_buffer_size: int, device, tp_group, host_to_device_ratio: int = 2,
@@ -57,7 +45,7 @@ class UlaCacheCoordinator(HiSparseCoordinator):
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.mem_pool_device: UlaCacheDSATokenToKVPool = token_to_kv_pool_allocator.get_kvcache()
-        self.core: AddressSpace = self.mem_pool_device.core
+        self.core: Core = self.mem_pool_device.core
         self.top_k, self.device, self.tp_group = top_k, device, tp_group
         self.device_buffer_size = device_buffer_size
         self.padded_buffer_size = 0
@@ -71,7 +59,8 @@ class UlaCacheCoordinator(HiSparseCoordinator):
         self._row_ids = torch.arange(R * steps, device=device)
         self._rows_out = [torch.full((R * steps, top_k), -1, dtype=torch.int32, device=device)
                           for _ in self.core.groups]
-        self._anchor = {g.layers[0] + self.mem_pool_device.start_layer: i
+        self._start_layer = self.mem_pool_device.start_layer
+        self._anchor = {g.layers[0] + self._start_layer: i
                         for i, g in enumerate(self.core.groups)}
         self._anchor_step = [(-1, -1)] * len(self.core.groups)  # (round, rows) of last access
         self.ack_staging_queue: list[_Staged] = []
@@ -211,13 +200,13 @@ class UlaCacheCoordinator(HiSparseCoordinator):
         n = bs * steps
         gi = self._anchor.get(layer_id)
         if gi is None:  # a layer that shares its anchor's selection: this step's rows
-            gi = self.mem_pool_device._group_index(layer_id)
+            gi = self.mem_pool_device.group_index(layer_id)
             if self.core.validate and not capturing(self.core.device) and \
                     self._anchor_step[gi] != (self.core.round_serial, n):
                 raise StaleSelectionError(
                     f"layer {layer_id} reuses the selection of its group's anchor layer, which "
                     f"has not run in this step ({n} rows); it would read last step's rows")
-            self._serve_shared(layer_id)
+            self.core.load(layer_id - self._start_layer)  # TP: its bytes of the peer rows
             return self._rows_out[gi][:n].view(shape)
         pos = top_k_result.reshape(n, K).to(torch.int64)
         req = req_pool_indices.to(torch.int64)
@@ -233,15 +222,9 @@ class UlaCacheCoordinator(HiSparseCoordinator):
         # value, every row "real": decode_cuda_graph_runner.py:1242) select entries that read
         # it: padding, as in prefill_rows (validate on used to refuse them as dead addresses).
         valid = (pos >= 0) & real.unsqueeze(1) & (addrs >= self.page_size)
-        slots = self._serve_anchor(gi, layer_id, torch.where(valid, addrs, -1))
-        self._anchor_step[gi] = (self.core.round_serial, n)
         out = self._rows_out[gi][:n]
-        out.copy_(torch.where(slots >= 0, slots + self.mem_pool_device.ula_rows.row_base, -1))
+        # kv_buffer rows straight into the graph-stable output (the kernels add row_base)
+        self.core.plan(gi, torch.where(valid, addrs, -1), out)  # TP: collective
+        self.core.load(layer_id - self._start_layer)
+        self._anchor_step[gi] = (self.core.round_serial, n)
         return out.view(shape)
-
-    def _serve_anchor(self, gi: int, layer_id: int, addrs: torch.Tensor) -> torch.Tensor:
-        """The anchor layer's sparse access: ``int32 [n, K]`` core rows (``-1``: none)."""
-        return self.core.access(gi, addrs)
-
-    def _serve_shared(self, layer_id: int) -> None:
-        """A layer sharing its anchor's selection: DP mode has nothing to move."""

@@ -1,99 +1,106 @@
-"""ulacache's stand-in for SGLang's ``HiSparseDSATokenToKVPool``: ``kv_buffer`` rows are the
-core's GPU pools.
+"""ulacache's stand-in for SGLang's ``HiSparseDSATokenToKVPool``, one class for both modes:
+``kv_buffer`` rows are the core's GPU rows.
 
-One tensor per selection group ``[L_g, N + 2P, 1, kv_cache_dim]``, rows laid out by
-:class:`ulacache.layout.PoolRows` (``ula_rows``): the padding sink page ``[0, P)``, GPU slot
-``s`` at row ``P + s``, the core's scratch row ``P + N``, the rest of that tail page (row
-counts stay a multiple of 64 for FlashMLA).
+The launch plan (:mod:`ulacache.patches.launch`) chooses the mode, once, at construction:
 
-Writes and the prefill page table are translated per selection group; the core is an
-:class:`~ulacache.space.AddressSpace` over SGLang's logical addresses (SGLang's paged allocator
-hands them out, so no ledger).
+* ``"dp"``: the core is an :class:`~ulacache.space.AddressSpace` over SGLang's ``N`` GPU tokens;
+* ``"tp"``: the ``P`` ranks of SGLang's attention-TP group (``get_dp_tp_group()``) stripe one
+  address space (token ``t`` on rank ``t mod P`` at ``t // P``,
+  :class:`~ulacache.tp.TPAddressSpace`); each rank holds ``G = N / P`` own GPU rows and a
+  buffer of ``B`` rows of copies of peers' rows, in tensors its peers can map (POSIX shared
+  memory on CPU, CUDA IPC on GPU). Every rank computes the same latent rows, so the owner
+  stores its own tokens and every other rank its copy in the buffer slot the placement gave it.
+
+From then on the pool, the allocator and the coordinator call only the core's declared
+interface (:class:`ulacache.core.Core`). One tensor per selection group ``[L_g, R, 1,
+kv_cache_dim]``, rows laid out by :class:`ulacache.layout.PoolRows` (``ula_rows``)::
+
+    [0, P)                     padding sink (SGLang's page 0; dummy writes land here)
+    [P, P + G)                 own GPU slot (row - P) of the layer's selection group
+    P + G                      the core's scratch row
+    [P + G + 1, ... + B)       TP: buffer slot, a copy of a peer's row
+    [..., R)                   padding to a multiple of 64 rows (FlashMLA views 64-row pages)
+
+Writes and the prefill page table are translated per selection group; SGLang's paged allocator
+hands out the logical addresses, so the core keeps no ledger.
 """
 
 from __future__ import annotations
 
-import contextvars
 import logging
 from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from sglang.srt.mem_cache.hisparse_memory_pool import HiSparseDSATokenToKVPool
 from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, unwrap_write_loc
 
 from ulacache.config import SGLangOptions, UlaCacheConfig
-from ulacache.errors import StaleSelectionError
+from ulacache.core import Core
+from ulacache.errors import ConfigError, StaleSelectionError
 from ulacache.layout import PoolRows, RowLayout
 from ulacache.space import AddressSpace
 from ulacache.streams import capturing
+from ulacache.tp import TPAddressSpace
+
+from . import sglang_tp_support as tps
+from .launch import (
+    TP_SIZES,
+    LaunchPlan,
+    layer_groups_from_skip,
+    plan_being_built,
+    sglang_options,
+    tp_group,
+)
 
 logger = logging.getLogger(__name__)
 
 
-def sglang_options() -> SGLangOptions:
-    """The ``--ulacache-config`` of this launch; defaults only when SGLang has published no
-    server args (tests, tools). A bad value raises :class:`~ulacache.errors.ConfigError` naming
-    the key and its legal values: start-up stops instead of serving with settings nobody asked
-    for."""
-    try:
-        from sglang.srt.runtime_context import get_server_args
+def make_tp_peers(grp, device):
+    """The peers of ``grp`` (a GroupCoordinator): :class:`~ulacache.ipc.ShmPeers` on CPU,
+    :class:`~ulacache.ipc.CudaIpcPeers` on CUDA (handles and agreement over the gloo
+    ``cpu_group``, per-step all-gathers on the device group). Collective: every rank
+    constructs them together."""
+    from ulacache.ipc import CudaIpcPeers, ShmPeers
 
-        args = get_server_args()
-    except (ImportError, ValueError):  # "Global server args is not set yet!"
-        logger.info("ulacache: no SGLang server args published; default --ulacache-config")
-        return SGLangOptions()
-    from ulacache.patches.server_args import parse_ulacache_config
-
-    return SGLangOptions.from_dict(parse_ulacache_config(getattr(args, "ulacache_config", None)))
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return CudaIpcPeers(grp.cpu_group, device=dev,
+                            collective=lambda out, inp: tps.all_gather_into(grp, out, inp))
+    return ShmPeers(grp.cpu_group)
 
 
-MODEL_SKIPS: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar(
-    "ulacache_model_skips", default=None)
-"""The model's "reuses the previous layer's top-k" flag of each layer of the pool being built,
-set around SGLang's DSA pool construction (``classes._build_dsa_kv_pool_around``): SGLang passes
-``skip_topk_layers`` to the pool only when it elides the shared layers' index-K, which it never
-does under HiSparse, so without this every layer would be its own selection group."""
+@dataclass(frozen=True)
+class TPMembership:
+    """This pool's place in its striping group (TP mode): SGLang's ``group``
+    (GroupCoordinator-like: ``world_size``, ``rank_in_group``, ``cpu_group``) and the ``peers``
+    its rows are shared through."""
 
+    group: Any
+    peers: Any
 
-def layer_groups_from_skip(skip_topk_layers: list[bool] | None, layer_num: int,
-                           start_layer: int = 0) -> list[list[int]]:
-    """Selection groups (global layer ids): a layer that skips top-k reuses the previous layer's
-    selection, so it joins that layer's group (SGLang's ``skip_topk_layers``, else the model's
-    pattern recorded in :data:`MODEL_SKIPS` while the pool is built)."""
-    if skip_topk_layers is None:
-        recorded = MODEL_SKIPS.get()
-        if recorded is not None and len(recorded) != layer_num:
-            logger.warning("ulacache: the model's top-k sharing pattern covers %d layers, the pool"
-                           " %d; one selection group per layer", len(recorded), layer_num)
-            recorded = None
-        skip_topk_layers = recorded
-    groups: list[list[int]] = []
-    for i in range(layer_num):
-        layer = start_layer + i
-        if skip_topk_layers is not None and skip_topk_layers[i] and groups:
-            groups[-1].append(layer)
-        else:
-            groups.append([layer])
-    return groups
+    @property
+    def size(self) -> int:
+        return int(self.group.world_size)
+
+    @property
+    def rank(self) -> int:
+        return int(self.group.rank_in_group)
 
 
 class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
-    """DSA latent pool whose rows are ulacache's GPU pools (see the module docstring).
+    """DSA latent pool whose rows are ulacache's GPU rows, in either mode (see the module
+    docstring).
 
-    Construction picks the mode: with ``--ulacache-config`` mode ``"tp"`` (read from
-    ``ulacache_options`` or the published server args) it builds the TP subclass
-    :class:`~ulacache.patches.sglang_tp_pool.UlaCacheTPDSATokenToKVPool` instead, so SGLang's
-    construction site (which sees this class through the REPLACE hook) needs no change.
+    Extra keyword arguments (tests and tools; SGLang passes none, the pool-building hook scopes
+    the launch plan around its call): ``ulacache_plan`` (a :class:`LaunchPlan`);
+    ``ulacache_options`` (shorthand: a plan from these options and this call's arguments);
+    ``ulacache_top_k`` (sizes TP mode's buffer in such a plan; default 2048); TP mode's
+    ``ulacache_tp_group`` (default ``get_dp_tp_group()``) and ``ulacache_peers`` (a
+    :class:`ulacache.ipc.Peers` of the group; default :func:`make_tp_peers`; ``ulacache
+    rehearse`` passes in-process peers on the meta device).
     """
-
-    def __new__(cls, *args, **kwargs):
-        if cls is UlaCacheDSATokenToKVPool:
-            opts = kwargs.get("ulacache_options") or sglang_options()
-            if opts.mode == "tp":
-                from .sglang_tp_pool import UlaCacheTPDSATokenToKVPool
-
-                cls = UlaCacheTPDSATokenToKVPool
-        return super().__new__(cls)
 
     def __init__(self, size: int, page_size: int, kv_lora_rank: int, dtype: torch.dtype,
                  qk_rope_head_dim: int, layer_num: int, device: str, index_head_dim: int,
@@ -102,10 +109,40 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
                  index_kpool_compress: bool = False, tail_extra_slots: int = 0,
                  max_running_requests: int | None = None,
                  skip_topk_layers: list[bool] | None = None, host_to_device_ratio: int = 2,
-                 ulacache_options: SGLangOptions | None = None):
-        self.ula_options = ulacache_options or sglang_options()
-        self.ula_groups = layer_groups_from_skip(skip_topk_layers, layer_num, start_layer or 0)
-        self.ula_rows = PoolRows(page_size, size)  # read by _create_buffers, called below
+                 ulacache_plan: LaunchPlan | None = None,
+                 ulacache_options: SGLangOptions | None = None, ulacache_top_k: int | None = None,
+                 ulacache_tp_group=None, ulacache_peers=None):
+        base = ulacache_plan or plan_being_built()
+        opts = ulacache_options or (base.options if base is not None else sglang_options())
+        grp = None
+        if opts.mode == "tp":  # the one place the mode is chosen
+            from .plugin import verify_tp
+
+            verify_tp()  # a launch whose TP hooks did not take effect stops here, loudly
+            tps.require_topk_agreement()
+            grp = ulacache_tp_group or tp_group()
+            P = int(grp.world_size)
+            if P not in TP_SIZES or page_size % P or size % P:
+                raise ConfigError(
+                    f"ulacache TP mode stripes over the attention-TP group: its size must be one "
+                    f"of {TP_SIZES} and divide the page ({page_size}) and the pool ({size} "
+                    f"tokens); got {P} ranks")
+        P = 1 if grp is None else int(grp.world_size)
+        plan = base if base is not None and ulacache_options is None else LaunchPlan.standalone(
+            opts, tp_size=P, top_k=ulacache_top_k, max_running_requests=max_running_requests,
+            skip_topk_layers=base.skip_topk_layers if base is not None else None)
+        if plan.tp_size != P:
+            raise ConfigError(f"ulacache: the launch plan stripes over {plan.tp_size} rank(s), "
+                              f"the pool's group has {P}")
+        self.ula_plan, self.ula_options = plan, opts
+        # SGLang passes skip_topk_layers only when it elides the shared layers' index-K (never
+        # under HiSparse); otherwise the plan carries the model's pattern
+        self.ula_groups = layer_groups_from_skip(
+            plan.skip_topk_layers if skip_topk_layers is None else skip_topk_layers,
+            layer_num, start_layer or 0)
+        self.ula_tp = None if grp is None else \
+            TPMembership(grp, ulacache_peers or make_tp_peers(grp, device))
+        self.ula_rows = PoolRows(page_size, size // P, plan.buffer_slots)  # for _create_buffers
         super().__init__(size, page_size, kv_lora_rank, dtype, qk_rope_head_dim, layer_num,
                          device, index_head_dim, enable_memory_saver, kv_cache_dim,
                          start_layer=start_layer, end_layer=end_layer, index_kpool=index_kpool,
@@ -115,30 +152,32 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
                          skip_topk_layers=skip_topk_layers,
                          host_to_device_ratio=host_to_device_ratio)
         ratio = int(host_to_device_ratio)
-        cfg = self.core_config(size, ratio, max_running_requests)
-        rb, rows = cfg.row_layout.row_bytes, self.ula_rows
-        storage = [big.view(torch.uint8).view(big.shape[0], big.shape[1], rb)
-                   [:, rows.row_base: rows.row_base + rows.core_rows]
-                   for big in self._group_buffers]
-        layer_ids = [[x - self.start_layer for x in g] for g in self.ula_groups]
-        self.core = AddressSpace(cfg, self.device, n_logical=size * ratio + page_size,
-                                 layer_groups=layer_ids, gpu_storage=storage)
+        cfg = self.core_config(ratio, max_running_requests)
+        self.core: Core = self._build_core(cfg, n_logical=size * ratio + page_size)
         self._prefill_round = [-1] * len(self.ula_groups)  # round of each anchor's last access
         self.current_layer_id = self.start_layer  # set by the forward_extend hook
-        host_gib = cfg.cpu_slots * rb * layer_num / 2**30
-        logger.info("ulacache pool: %d selection group(s); GPU %d slots x %d layers x %d B; "
-                    "CPU %d slots (%.2f GiB pinned host); logical/indexer capacity %d tokens",
-                    len(self.ula_groups), size, layer_num, rb, cfg.cpu_slots, host_gib,
-                    size * ratio)
+        rows, rb = self.ula_rows, cfg.row_layout.row_bytes
+        logger.info(
+            "ulacache pool (%s%s): %d selection group(s) x %d layers; GPU %d own slots + %d "
+            "buffer rows, %d rows per layer x %d B (%.2f GiB); CPU %d slots (%.2f GiB pinned "
+            "host); logical/indexer capacity %d tokens", plan.mode,
+            f", rank {self.ula_tp.rank}/{P}" if self.ula_tp else "", len(self.ula_groups),
+            layer_num, rows.gpu_slots, rows.buffer_slots, rows.total, rb,
+            rows.total * layer_num * rb / 2**30, cfg.cpu_slots,
+            cfg.cpu_slots * layer_num * rb / 2**30, size * ratio)
 
-    def core_config(self, gpu_slots: int, host_to_device_ratio: int,
-                    max_running_requests: int | None, **tp) -> UlaCacheConfig:
-        """The core's configuration for this pool, in both modes: rows in SGLang's store
-        format, ``gpu_slots`` GPU and ``(ratio - 1) x gpu_slots`` CPU slots per group and
-        layer, the ``--ulacache-config`` options; TP mode adds ``tp_size``, ``buffer_slots``
-        and ``shard_indexer`` through ``tp``."""
+    def core_config(self, host_to_device_ratio: int,
+                    max_running_requests: int | None) -> UlaCacheConfig:
+        """The core's configuration for this pool: rows in SGLang's store format, the own GPU
+        slots of ``ula_rows`` and ``(ratio - 1)`` times as many CPU slots per group and layer,
+        the ``--ulacache-config`` options; TP mode adds ``tp_size``, ``buffer_slots`` and
+        ``shard_indexer``."""
         row = RowLayout.of_size(self.kv_cache_dim * torch._utils._element_size(self.store_dtype))
-        opts = self.ula_options
+        opts, rows = self.ula_options, self.ula_rows
+        gpu_slots = rows.gpu_slots
+        tp = {} if self.ula_tp is None else dict(
+            tp_size=self.ula_plan.tp_size, buffer_slots=rows.buffer_slots,
+            shard_indexer=opts.shard_indexer)
         return UlaCacheConfig(
             layout=row.name, row_bytes=row.row_bytes if row.name == "tiny" else None,
             n_layers=self.layer_num, gpu_slots=gpu_slots,
@@ -148,42 +187,71 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
             call_entries=opts.call_entries, **tp)
 
     def _create_buffers(self) -> None:
-        """One tensor per selection group so a group's layers move in one launch; two extra
-        pages per layer beyond SGLang's padding page (see the module docstring)."""
-        saver = getattr(self, "memory_saver_adapter", None)
-        pool = getattr(self, "custom_mem_pool", None)
-        from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
+        """One ``uint8 [L_g, R, row_bytes]`` tensor per selection group, so a group's layers
+        move in one launch; ``kv_buffer[layer]`` is its ``[R, 1, kv_cache_dim]`` view in the
+        store dtype. DP: in SGLang's memory-saver region and custom pool; TP: allocated by the
+        peers, which can map it."""
+        rb = self.kv_cache_dim * torch._utils._element_size(self.store_dtype)
+        R = self.ula_rows.total
+        self._ula_storage: list[tuple[str, torch.Tensor]] = []
+        if self.ula_tp is None:
+            saver = getattr(self, "memory_saver_adapter", None)
+            pool = getattr(self, "custom_mem_pool", None)
+            from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
 
-        with saver.region(GPU_MEMORY_TYPE_KV_CACHE) if saver is not None else nullcontext():
-            with torch.cuda.use_mem_pool(pool) if pool else nullcontext():
-                self._group_buffers = [
-                    torch.zeros((len(g), self.ula_rows.total, 1, self.kv_cache_dim),
-                                dtype=self.store_dtype, device=self.device)
-                    for g in self.ula_groups]
+            with saver.region(GPU_MEMORY_TYPE_KV_CACHE) if saver is not None else nullcontext():
+                with torch.cuda.use_mem_pool(pool) if pool else nullcontext():
+                    for gi, g in enumerate(self.ula_groups):
+                        self._ula_storage.append((f"kv_group{gi}", torch.zeros(
+                            (len(g), R, rb), dtype=torch.uint8, device=self.device)))
+        else:
+            for gi, g in enumerate(self.ula_groups):
+                name = f"kv_group{gi}"
+                self._ula_storage.append(
+                    (name, self.ula_tp.peers.alloc_shared(name, (len(g), R, rb), torch.uint8)))
+        self._group_buffers = [t.view(self.store_dtype).view(t.shape[0], R, 1, self.kv_cache_dim)
+                               for _, t in self._ula_storage]
         self.kv_buffer = [buf[i] for buf in self._group_buffers for i in range(buf.shape[0])]
 
+    def _build_core(self, cfg: UlaCacheConfig, n_logical: int) -> Core:
+        layer_ids = [[x - self.start_layer for x in g] for g in self.ula_groups]
+        rows = self.ula_rows
+        if self.ula_tp is None:
+            return AddressSpace(cfg, self.device, n_logical=n_logical, layer_groups=layer_ids,
+                                gpu_storage=[t[:, rows.row_base: rows.row_base + rows.core_rows]
+                                             for _, t in self._ula_storage],
+                                row_base=rows.row_base)
+        return TPAddressSpace(cfg, self.ula_tp.peers, n_logical=n_logical,
+                              layer_groups=layer_ids, storage=self._ula_storage,
+                              row_offset=rows.row_base)
+
     def _clear_buffers(self) -> None:
-        del self.kv_buffer, self._group_buffers
+        del self.kv_buffer, self._group_buffers, self._ula_storage
+
+    def close_peers(self) -> None:
+        """TP mode: release this rank's shared tensors (tests and shutdown; peers' mappings
+        stay valid until their views die). DP mode: nothing shared."""
+        if self.ula_tp is not None:
+            self.ula_tp.peers.close()
 
     # -- translation ---------------------------------------------------------------------
     def register_mapping(self, full_to_hisparse_device_index_mapping: torch.Tensor) -> None:
         # The core keeps one mapping per selection group; a single table cannot describe them.
         self.full_to_hisparse_device_index_mapping = full_to_hisparse_device_index_mapping
 
-    def _group_index(self, layer_id: int) -> int:
+    def group_index(self, layer_id: int) -> int:
+        """The selection group of a global layer id."""
         return self.core.layer_to_group[layer_id - self.start_layer]
 
     def rows_of(self, layer_id: int, loc: torch.Tensor) -> torch.Tensor:
-        """``kv_buffer[layer]`` rows of GPU-resident logical ``loc`` (int64, same shape) for
-        writes; padding (``-1``), the sink page and anything not GPU-resident go to row 0 (the
-        dummy sink SGLang writes padding tokens to). Pure: no side effect."""
-        g = self.core.groups[self._group_index(layer_id)]
+        """``kv_buffer[layer]`` rows for writes of logical ``loc`` (int64, same shape): the GPU
+        row of a resident address (TP: this rank's own row, or the buffer slot of its copy of
+        a peer's token placed this round); row 0 (the sink) for padding (``-1``), the sink page
+        and anything else. Pure: no side effect."""
         flat = loc.reshape(-1).to(torch.int64)
-        ok = (flat >= self.page_size) & (flat < g.n_logical)
-        slot = g.loc[torch.where(ok, flat, g.n_logical)]
-        rows = torch.where(ok & (slot >= 0) & (slot < g.gpu_slots),
-                           slot + self.ula_rows.row_base, 0)
-        return rows.view(loc.shape)
+        ok = (flat >= self.page_size) & (flat < self.core.n_logical)
+        rows = self.core.translate(self.group_index(layer_id), torch.where(ok, flat, -1))
+        return torch.where(rows >= 0, rows.to(torch.int64), 0).view(loc.shape)
 
     def prefill_rows(self, layer_id: int, page_table: torch.Tensor) -> torch.Tensor:
         """Prefill page table of one layer (logical addresses, ``-1`` padded) -> its rows in
@@ -191,7 +259,9 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
 
         MUTATES on the group's anchor (first) layer: the selected rows that sit in the CPU
         tier are promoted (a sparse access: swaps, mapping updates, counters, once per group
-        and forward). The group's other layers share the anchor's selection (SGLang's
+        and forward; TP: collective, the plan and the copy of every layer's bytes of the
+        planned peer rows, which are older than this batch, so no later layer's write is
+        overtaken). The group's other layers share the anchor's selection (SGLang's
         ``skip_topk``), so they only translate; a row that is not GPU-resident there means
         the anchor did not run this round: :class:`StaleSelectionError` with validate on,
         ``-1`` (never another token's row) with it off.
@@ -201,7 +271,7 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
         scratch nor this method's temporaries grow with it (validate on: the core checks the
         whole table first, then runs the same pieces).
         """
-        gi = self._group_index(layer_id)
+        gi = self.group_index(layer_id)
         anchor = layer_id - self.start_layer == self.core.groups[gi].layers[0]
         flat = page_table.reshape(-1)
         piece = flat.numel() if self.core.validate else self.core.config.call_capacity
@@ -210,16 +280,16 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
             src = src.view(1, -1).to(torch.int64)
             sink = (src >= 0) & (src < self.page_size)
             slots = self._prefill_slots(gi, layer_id, anchor, torch.where(sink, -1, src))
-            dst.copy_(torch.where(slots >= 0, slots + self.ula_rows.row_base,
-                                  torch.where(sink, 0, -1)).view(-1))
+            dst.copy_(torch.where(sink, 0, slots).view(-1))  # the core's rows, -1: none
         if anchor:
             self._prefill_round[gi] = self.core.round_serial
         return out.view(page_table.shape)
 
     def _prefill_slots(self, gi: int, layer_id: int, anchor: bool, addrs: torch.Tensor
                        ) -> torch.Tensor:
-        """Core rows (``int64 [1, m]``, ``-1``: none) of one piece of a prefill table: the
-        anchor's access, a shared layer's translation (checked with validate on)."""
+        """``kv_buffer`` rows (``int64 [1, m]``, ``-1``: none; the core adds ``row_base``) of
+        one piece of a prefill table: the anchor's access, a shared layer's translation
+        (checked with validate on)."""
         if anchor:
             return self.core.access(gi, addrs).to(torch.int64)
         slots = self.core.translate(gi, addrs).to(torch.int64)

@@ -35,82 +35,46 @@ import torch
 from ulacache.layout import PoolRows
 from ulacache.sizing import coordinator_output_bytes, table_bytes_per_slot
 
-from . import sglang_tp_support as tps
-from .sglang_pool import MODEL_SKIPS, layer_groups_from_skip, sglang_options
+from .launch import plan_launch, sglang_options
 
 logger = logging.getLogger(__name__)
-
-
-def model_skip_flags(kvc) -> list[bool] | None:
-    """Per layer of this worker (``layer_info.start_layer .. end_layer``): whether it reuses the
-    previous layer's top-k (SGLang's ``dsa_layer_skips_topk``); ``None`` for a draft worker or
-    a model that is not DSA (the pool then makes every layer its own selection group)."""
-    from sglang.srt.configs.model_config import dsa_layer_skips_topk, is_deepseek_dsa
-
-    cfg = kvc.model_config.hf_config
-    if getattr(kvc, "is_draft_worker", False) or not is_deepseek_dsa(cfg):
-        return None
-    info = kvc.layer_info
-    return [bool(dsa_layer_skips_topk(cfg, layer))
-            for layer in range(info.start_layer, info.end_layer)]
-
-
-def pool_layer_groups(kvc) -> list[list[int]]:
-    """The selection groups the pool will build for this configurator: the same pattern and
-    the same grouping code as the pool's construction (``classes._build_dsa_kv_pool_around``
-    records the flags, the pool groups them with ``layer_groups_from_skip``)."""
-    info = kvc.layer_info
-    token = MODEL_SKIPS.set(model_skip_flags(kvc))
-    try:
-        return layer_groups_from_skip(None, int(info.num_effective_layers),
-                                      int(getattr(info, "start_layer", 0) or 0))
-    finally:
-        MODEL_SKIPS.reset(token)
 
 
 def pool_configurator_init_around(original_fn, self, kvc, *args, **kwargs):
     """AROUND ``DefaultPoolConfigurator.__init__``: add ulacache's device memory to
     ``self._cell_size`` (bytes per SGLang GPU token) and ``self._fixed_overhead_bytes`` (see
-    the module docstring). In TP mode records the buffer size in ``sglang_tp_support.SIZED``,
-    so the pool allocates exactly what was charged."""
+    the module docstring), from :func:`~.launch.plan_launch`: the pool-building hook builds
+    the pool from the same plan, so it allocates exactly what was charged."""
     original_fn(self, kvc, *args, **kwargs)
     if getattr(kvc, "is_draft_worker", False) or not getattr(kvc, "use_mla_backend", False):
         return
     from sglang.srt.mem_cache.kv_cache_configurator import calculate_mla_kv_cache_dim
 
-    opts = sglang_options()
+    plan = plan_launch(kvc)  # what the pool will build from (the pool-building hook's plan)
+    opts, P, B = plan.options, plan.tp_size, plan.buffer_slots
     layers = int(kvc.layer_info.num_effective_layers)
     page = int(getattr(kvc, "pool_page_size", None) or 64)
     row = calculate_mla_kv_cache_dim(model_config=kvc.model_config,
                                      kv_cache_dtype=kvc.kv_cache_dtype) * \
         torch._utils._element_size(kvc.kv_cache_dtype)
     stock_cell = self._cell_size
-    P, B = 1, 0
-    if opts.mode == "tp":
-        from sglang.srt.runtime_context import get_schedule
-
-        P = tps.tp_group().world_size
-        top_k = getattr(getattr(kvc.model_config, "hf_text_config", None), "index_topk", None)
-        B = tps.resolve_buffer_slots(opts, get_schedule().max_running_requests,
-                                     int(top_k or tps.DEFAULT_TOP_K), tps.draft_tokens())
+    if P > 1:
         latent = row * layers
         self._cell_size -= latent - math.ceil(latent / P)
         # rows per layer beside the N / P own rows (PoolRows: sink page, scratch, B buffer rows,
         # padding to a whole page); the stock latent, its padding page included, is gone
         rows_bytes = PoolRows.most_beside_slots(page, B) * layers * row
-        tps.SIZED = tps.TPSizing(tp_size=P, buffer_slots=B)
     else:
         # rows per layer beside the N the stock cell charges (PoolRows), less the stock pool's
         # own padding page, which stock SGLang does not charge either: the tail page
         rows_bytes = (PoolRows.most_beside_slots(page) - page) * layers * row
-    groups = pool_layer_groups(kvc)
+    groups = plan.layer_groups(layers, int(getattr(kvc.layer_info, "start_layer", 0) or 0))
     per_token, fixed = table_bytes_per_slot(
         len(groups), ratio=opts.host_to_device_ratio, page_size=page, n_buckets=opts.n_buckets,
         policy=opts.policy, tp_size=P, buffer_slots=B, layers=layers,
         call_entries=opts.call_entries)  # the tables and the per-call scratch
-    top_k = getattr(getattr(kvc.model_config, "hf_text_config", None), "index_topk", None)
-    outputs = coordinator_output_bytes(len(groups), request_slots(kvc),
-                                       int(top_k or tps.DEFAULT_TOP_K), tps.draft_tokens())
+    outputs = coordinator_output_bytes(len(groups), request_slots(kvc, plan.max_running_requests),
+                                       plan.top_k, plan.draft_tokens)
     self._cell_size += per_token
     self._fixed_overhead_bytes += fixed + rows_bytes + outputs
     logger.info(
@@ -128,17 +92,14 @@ MAX_ESTIMATED_REQUESTS = 4096
 ``--max-running-requests`` (``kv_cache_configurator.py:3123-3132``)."""
 
 
-def request_slots(kvc) -> int:
+def request_slots(kvc, max_running_requests: int | None) -> int:
     """Rows of SGLang's ``req_to_token`` this worker will have, at most (sizing runs before
-    SGLang settles ``max_num_reqs``): the per-worker ``--max-running-requests`` when given,
-    else SGLang's estimate ceiling; plus the padding row 0."""
-    from sglang.srt.runtime_context import get_schedule
-
-    given = get_schedule().max_running_requests
-    if given:
-        return max(1, int(given) // max(1, int(getattr(kvc, "attn_dp_size", 1) or 1))) + 1
+    SGLang settles ``max_num_reqs``): the per-worker share of ``--max-running-requests`` when
+    given, else SGLang's estimate ceiling; plus the padding row 0."""
+    if max_running_requests:
+        return max(1, int(max_running_requests) //
+                   max(1, int(getattr(kvc, "attn_dp_size", 1) or 1))) + 1
     return MAX_ESTIMATED_REQUESTS + 1
-
 
 
 def logical_token_capacity_around(original_fn, self, *args, **kwargs):

@@ -231,7 +231,7 @@ def test_pool_groups_follow_the_models_sharing_when_sglang_passes_none():
     the pool still groups shared layers with their anchor, and the coordinator checks the
     groups against SGLang's ``shared_index_layers`` at start-up."""
     from ulacache.errors import ConfigError
-    from ulacache.patches import classes
+    from ulacache.patches import classes, launch
     from ulacache.patches.classes import UlaCacheCoordinator
 
     hook = classes.EXTRA_HOOKS[
@@ -243,7 +243,7 @@ def test_pool_groups_follow_the_models_sharing_when_sglang_passes_none():
         layer_info=types.SimpleNamespace(start_layer=0, end_layer=L))
     h = hook(lambda self: Harness(False), configurator)  # the pool sees skip_topk_layers=None
     assert h.pool.ula_groups == [[0, 1], [2, 3]]
-    assert classes.MODEL_SKIPS.get() is None  # reset after the build
+    assert launch.plan_being_built() is None  # scoped to the build
     draft = types.SimpleNamespace(**{**vars(configurator), "is_draft_worker": True})
     assert hook(lambda self: Harness(False), draft).pool.ula_groups == [[0], [1], [2], [3]]
 
@@ -469,14 +469,14 @@ def test_prefill_tables_larger_than_a_call_run_in_pieces(path, validate):
     h.decode_step([1])  # the shape a decode graph captures
     held = [t.data_ptr() for t in h.coord._rows_out]
     if path == "fused":
-        held += [t.data_ptr() for t in g.fused._scratch.tensors]
-        assert all(gr.fused._scratch is g.fused._scratch for gr in h.pool.core.groups)
+        held += [t.data_ptr() for t in g.fused.shared_scratch.tensors]
+        assert all(gr.fused.shared_scratch is g.fused.shared_scratch for gr in h.pool.core.groups)
     h.prefill(2, 420, chunk=210)  # a larger eager prefill
     h.coord.collect_ready_reqs()
     h.decode_step([1, 2])
     now = [t.data_ptr() for t in h.coord._rows_out]
     if path == "fused":
-        now += [t.data_ptr() for t in g.fused._scratch.tensors]
+        now += [t.data_ptr() for t in g.fused.shared_scratch.tensors]
     assert now == held
     h.finish(1, "finish")
     h.finish(2, "retract")

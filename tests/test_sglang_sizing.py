@@ -48,7 +48,7 @@ _CHILD = textwrap.dedent(f"""
 
     from tests.helpers import device_table_bytes
     from ulacache.config import SGLangOptions
-    from ulacache.patches import classes, sglang_sizing as sz, sglang_tp_support as tps
+    from ulacache.patches import classes, launch, sglang_sizing as sz
 
     sa = prepare_server_args(["--model-path", "dummy", "--device", "cpu", "--enable-hisparse",
                               "--hisparse-config", json.dumps({{"host_to_device_ratio": {RATIO}}}),
@@ -70,7 +70,7 @@ _CHILD = textwrap.dedent(f"""
     out = {{}}
 
     def configure(opts):
-        sz.sglang_options = lambda: opts
+        launch.sglang_options = lambda: opts
         if opts is None:
             c = DefaultPoolConfigurator(kvc)
         else:
@@ -82,14 +82,16 @@ _CHILD = textwrap.dedent(f"""
     out["stock"] = configure(None)
     dp = SGLangOptions(cpu_ratio={RATIO - 1}, n_buckets={BUCKETS})
     out["dp"] = configure(dp)
-    tps.tp_group = lambda: types.SimpleNamespace(world_size={P})
+    launch.tp_group = lambda: types.SimpleNamespace(world_size={P})
     out["tp"] = configure(SGLangOptions(mode="tp", cpu_ratio={RATIO - 1}, n_buckets={BUCKETS}))
-    out["sized"] = vars(tps.SIZED) if tps.SIZED else {{}}
+    lp = launch.plan_launch(kvc)  # what the hook charged and the pool-building hook passes
+    out["sized"] = {{"buffer_slots": lp.buffer_slots, "tp_size": lp.tp_size}}
 
     N = out["dp"]["tokens"]
     kw = dict(page_size=64, kv_lora_rank=64, dtype=torch.bfloat16, qk_rope_head_dim=16,
               layer_num={LAYERS}, device="cpu", index_head_dim=128, enable_memory_saver=False,
               kv_cache_dim=80, max_running_requests={MAX_REQS}, host_to_device_ratio={RATIO})
+    launch.sglang_options = lambda: dp
     pool = classes._build_dsa_kv_pool_around(
         lambda self: classes.UlaCacheDSATokenToKVPool(N, ulacache_options=dp, **kw), kvc)
     stock = HiSparseDSATokenToKVPool(N, **kw)

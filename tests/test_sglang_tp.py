@@ -77,7 +77,7 @@ class TPHarness:
             need_sort=False, host_to_device_ratio=ratio)
         self.coord = UlaCacheCoordinator(
             req_to_token_pool=self.rtp, token_to_kv_pool_allocator=self.alloc, top_k=K,
-            device_buffer_size=0, device="cpu", tp_group=self.pool.ula_group.cpu_group,
+            device_buffer_size=0, device="cpu", tp_group=self.pool.ula_tp.group.cpu_group,
             host_to_device_ratio=ratio, num_draft_tokens=2)
         self.core = self.pool.core
         self.G = self.core.config.gpu_slots
@@ -263,7 +263,9 @@ def scenario_shared(rank: int) -> dict:
     h.check()
     seen = dict(h.seen)
     # mutant: shared layers skip their own load; their freshly fetched rows must read wrong
-    h.coord._serve_shared = lambda layer_id: None
+    anchors = {g.layers[0] for g in h.core.groups}
+    load = h.core.load
+    h.core.load = lambda layer: load(layer) if layer in anchors else None
     h.strict = False
     for _ in range(2):
         h.decode_step([1, 2])
@@ -351,7 +353,7 @@ def scenario_topk(rank: int) -> dict:
     meta = types.SimpleNamespace(force_unfused_topk=True, get_seqlens_expanded=lambda: lengths)
     calls = []
     orig = lambda self, lg, k, *a, **kw: calls.append(k) or "original"  # noqa: E731
-    tps.ACTIVE = tps.TPActive(tps.tp_group(), True)
+    tps.sharding_group = lambda: tps.tp_group()  # as under mode "tp" with shard_indexer
     got = tps.topk_transform_around(orig, meta, logits.clone(), K)
     want = topk_reference(real, lengths, K).to(torch.int32)
     passthrough = [
@@ -359,7 +361,7 @@ def scenario_topk(rank: int) -> dict:
                                   logits, K),
         tps.topk_transform_around(orig, meta, logits, K, ks=lengths),
     ]
-    tps.ACTIVE = None
+    tps.sharding_group = lambda: None
     return {"equal": torch.equal(got, want), "dtype": str(got.dtype), "got": got.tolist(),
             "passthrough": passthrough, "calls": calls}
 
@@ -482,7 +484,7 @@ def test_alloc_extend_agrees_across_ranks(ranks):
 def test_per_rank_pool_is_one_pth_of_replicated(ranks):
     for res in ranks:
         m = res["memory"]
-        assert m["tp_class"] == "UlaCacheTPDSATokenToKVPool"
+        assert m["tp_class"] == "UlaCacheDSATokenToKVPool"  # one class, mode chosen inside
         assert m["dp_class"] == "UlaCacheDSATokenToKVPool"
         (g_dp, c_dp), (g_tp, c_tp) = m["dp"], m["tp"]
         assert (g_dp, c_dp) == (N, 3 * N)
@@ -593,15 +595,14 @@ def test_sizing_hook_charges_one_pth_of_the_latent_and_the_buffer(monkeypatch):
 
     from ulacache.config import SGLangOptions
     from ulacache.errors import ConfigError
+    from ulacache.patches import launch
     from ulacache.patches import sglang_sizing as sz
-    from ulacache.patches import sglang_tp_support as tps
     from ulacache.sizing import coordinator_output_bytes, table_bytes_per_slot
 
     monkeypatch.setattr(kvcm, "calculate_mla_kv_cache_dim", lambda **kw: 656)
     monkeypatch.setattr(rc, "get_schedule", lambda: types.SimpleNamespace(max_running_requests=8))
-    monkeypatch.setattr(tps, "tp_group", lambda: types.SimpleNamespace(world_size=4))
-    monkeypatch.setattr(tps, "draft_tokens", lambda: 0)
-    monkeypatch.setattr(tps, "SIZED", None)
+    monkeypatch.setattr(launch, "tp_group", lambda: types.SimpleNamespace(world_size=4))
+    monkeypatch.setattr(launch, "draft_tokens", lambda: 0)
     hf = types.SimpleNamespace(architectures=["DeepseekV32ForCausalLM"], index_topk=2048)
     kvc = types.SimpleNamespace(
         is_draft_worker=False, use_mla_backend=True, kv_cache_dtype=torch.float8_e4m3fn,
@@ -614,7 +615,7 @@ def test_sizing_hook_charges_one_pth_of_the_latent_and_the_buffer(monkeypatch):
         self._cell_size, self._fixed_overhead_bytes = latent + index_k, 0
 
     def run(opts, **kvc_changes):
-        monkeypatch.setattr(sz, "sglang_options", lambda: opts)
+        monkeypatch.setattr(launch, "sglang_options", lambda: opts)
         cfg = types.SimpleNamespace()
         sz.pool_configurator_init_around(stock, cfg, types.SimpleNamespace(
             **{**vars(kvc), **kvc_changes}))
@@ -630,7 +631,8 @@ def test_sizing_hook_charges_one_pth_of_the_latent_and_the_buffer(monkeypatch):
     per, fixed = table_bytes_per_slot(61, ratio=5, page_size=64, tp_size=4, buffer_slots=B,
                                       layers=61)
     assert run(tp) == (10004 + index_k + per, (B + 128) * 61 * 656 + fixed + out)
-    assert tps.SIZED == tps.TPSizing(tp_size=4, buffer_slots=B)
+    lp = launch.plan_launch(kvc)  # the plan the pool-building hook hands the pool
+    assert (lp.tp_size, lp.buffer_slots) == (4, B)
     per, fixed = table_bytes_per_slot(61, ratio=5, page_size=64, tp_size=4, buffer_slots=1000,
                                       layers=61)
     assert run(SGLangOptions(mode="tp", buffer_slots=1000))[1] == 1128 * 61 * 656 + fixed + out

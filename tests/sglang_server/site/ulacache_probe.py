@@ -80,21 +80,6 @@ def _wrap_decode(mod):
     cls.map_last_loc_to_buffer = wrap(cls.map_last_loc_to_buffer)
 
 
-@cpu_stand_ins._on_import("ulacache.patches.sglang_tp_runtime")
-def _wrap_tp_decode(mod):
-    cls = mod.UlaCacheTPCoordinator
-    every = int(os.environ.get("ULA_INTEGRITY_EVERY", "4"))
-    orig = cls.map_last_loc_to_buffer
-
-    def map_last_loc_to_buffer(self, *args, **kwargs):
-        self._probe_steps = getattr(self, "_probe_steps", 0) + 1
-        if self._probe_steps % every == 0:  # before this step places (collective, all ranks)
-            _check(self.token_to_kv_pool_allocator, "decode")
-        return orig(self, *args, **kwargs)
-
-    cls.map_last_loc_to_buffer = map_last_loc_to_buffer
-
-
 def install() -> None:
     """Nothing to do beyond importing this module: its post-import patches are registered with
     the stand-ins' hook (``cpu_stand_ins.install`` runs first)."""
