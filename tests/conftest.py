@@ -33,7 +33,17 @@ settings.register_profile("explore", deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+# The fused-kernel test files: marked ``kernels`` so CI's second stage reruns them under
+# Triton 3.8 in the same pytest run as the SGLang tests (``-m "sglang or kernels"``).
+KERNEL_FILES = frozenset({"test_fused_access.py", "test_fused_policy.py", "test_fused_tp.py",
+                          "test_fused_compile.py", "test_hostile_calls.py"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in KERNEL_FILES:
+            item.add_marker(pytest.mark.kernels)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
