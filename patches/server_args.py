@@ -69,7 +69,7 @@ _ULACACHE_CONFIG_HELP = (
     "slot, 4), n_buckets (PB-LRU recent buckets, 64), policy (pblru|lru), validate (host "
     "checks every step, false), access_path (auto|torch|fused, auto: fused on CUDA), "
     "call_entries (entries per kernel call, its scratch allocated once; default GPU pool + "
-    "buffer + 8192: prefill page tables run in pieces of it); mode tp "
+    "buffer + 8192: prefill page tables are translated in pieces of it); mode tp "
     "adds buffer_slots and shard_indexer. Example: "
     '\'{"mode": "dp", "cpu_ratio": 4}\'.'
 )

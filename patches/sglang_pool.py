@@ -257,41 +257,37 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
         """Prefill page table of one layer (logical addresses, ``-1`` padded) -> its rows in
         ``kv_buffer[layer_id]``; ``-1`` stays ``-1`` and the sink page stays row 0.
 
-        MUTATES on the group's anchor (first) layer: the selected rows that sit in the CPU
-        tier are promoted (a sparse access: swaps, mapping updates, counters, once per group
-        and forward; TP: collective, the plan and the copy of every layer's bytes of the
-        planned peer rows, which are older than this batch, so no later layer's write is
-        overtaken). The group's other layers share the anchor's selection (SGLang's
-        ``skip_topk``), so they only translate; a row that is not GPU-resident there means
-        the anchor did not run this round: :class:`StaleSelectionError` with validate on,
-        ``-1`` (never another token's row) with it off.
+        MUTATES on the group's anchor (first) layer: one access of the group on the table's
+        *distinct* addresses (``core.access_distinct``: at most what the allocator's
+        ``prefill_fits`` admitted, so a fixed-size call; TP: the ranks exchange those, not the
+        table) promotes the selected rows that sit in the CPU tier, once per group and
+        forward. Then every layer, the anchor included, translates the table without side
+        effects. The group's other layers share the anchor's selection (SGLang's
+        ``skip_topk``); a row that is not GPU-resident there means the anchor did not run
+        this round: :class:`StaleSelectionError` with validate on, ``-1`` (never another
+        token's row) with it off.
 
-        The table (``T x top-k`` entries: 2^24 for an 8K chunk at top-k 2048) is taken in
-        pieces of the core's ``call_capacity`` entries, in one round, so neither the kernels'
-        scratch nor this method's temporaries grow with it (validate on: the core checks the
-        whole table first, then runs the same pieces).
+        The table (``T x top-k`` entries: 2^24 for an 8K chunk at top-k 2048) is read in
+        pieces of the core's ``call_capacity`` entries, so no temporary grows with it.
         """
         gi = self.group_index(layer_id)
-        anchor = layer_id - self.start_layer == self.core.groups[gi].layers[0]
+        if layer_id - self.start_layer == self.core.groups[gi].layers[0]:
+            self.core.access_distinct(gi, page_table, first=self.page_size)
+            self._prefill_round[gi] = self.core.round_serial
         flat = page_table.reshape(-1)
-        piece = flat.numel() if self.core.validate else self.core.config.call_capacity
         out = torch.empty_like(flat)
+        piece = self.core.config.call_capacity
         for src, dst in zip(flat.split(piece), out.split(piece)):
             src = src.view(1, -1).to(torch.int64)
             sink = (src >= 0) & (src < self.page_size)
-            slots = self._prefill_slots(gi, layer_id, anchor, torch.where(sink, -1, src))
+            slots = self._prefill_slots(gi, layer_id, torch.where(sink, -1, src))
             dst.copy_(torch.where(sink, 0, slots).view(-1))  # the core's rows, -1: none
-        if anchor:
-            self._prefill_round[gi] = self.core.round_serial
         return out.view(page_table.shape)
 
-    def _prefill_slots(self, gi: int, layer_id: int, anchor: bool, addrs: torch.Tensor
-                       ) -> torch.Tensor:
+    def _prefill_slots(self, gi: int, layer_id: int, addrs: torch.Tensor) -> torch.Tensor:
         """``kv_buffer`` rows (``int64 [1, m]``, ``-1``: none; the core adds ``row_base``) of
-        one piece of a prefill table: the anchor's access, a shared layer's translation
-        (checked with validate on)."""
-        if anchor:
-            return self.core.access(gi, addrs).to(torch.int64)
+        one piece of a prefill table after its group's anchor access (checked with validate
+        on: every live entry must be GPU-readable in this round)."""
         slots = self.core.translate(gi, addrs).to(torch.int64)
         if self.core.validate and not capturing(self.core.device):
             g = self.core.groups[gi]

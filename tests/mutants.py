@@ -7,6 +7,7 @@
     python tests/mutants.py fused_round  # fused round start and release (test_fused_policy.py)
     python tests/mutants.py hostile    # refusals and TP verdicts (test_hostile_calls.py)
     python tests/mutants.py pieces     # calls over the scratch (test_core, test_fused_access)
+    python tests/mutants.py distinct   # a prefill table's distinct-address access
 
 Copies the repository to a temporary directory, applies each mutant below (one line of the core
 changed the way a tired engineer might), runs the core tests there twice with the derandomized
@@ -220,6 +221,22 @@ PIECES_MUTANTS = [  # calls larger than the scratch, taken in pieces in one roun
      "pieces one entry larger than the scratch"),
 ]
 
+DISTINCT_TESTS = ["tests/test_access_distinct.py"]
+DISTINCT_MUTANTS = [  # a prefill table's one access on its distinct addresses
+    (G, "claim.index_fill_(0, torch.where(inrange & (p >= first), p, n), 0)",
+     "claim.index_fill_(0, torch.where(inrange, p, n), 0)",
+     "distinct: the sink page below 'first' is accessed"),
+    (G, "    claim.fill_(NO_CLAIM)\n    return found, n_distinct, bad",
+     "    return found, n_distinct, bad", "distinct: the claim table is left dirty"),
+    (G, "        bad += ((p != -1) & ~inrange).sum()", "        bad += (~inrange).sum()",
+     "distinct: padding counted as out of range"),
+    (H, "self.claim_table, table, self.config.gpu_slots, first=first,",
+     "self.claim_table, table, self.config.gpu_slots - 1, first=first,",
+     "DP access_distinct keeps one row fewer than the pool"),
+    (TPF, "        size = self.gpu_slots + self.buffer_slots\n",
+     "        size = self.buffer_slots\n", "TP access_distinct bounded by the buffer alone"),
+]
+
 INTERFACE_TESTS = ["tests/test_core_interface.py"]
 INTERFACE_MUTANTS = [  # the mode differences the seam asks the core, and the pool's rows
     (H, "        return sum(seq_lens) <= self.config.gpu_slots",
@@ -260,6 +277,7 @@ def main() -> int:
                   "fused_round": [(*m, FUSED_ROUND_TESTS) for m in FUSED_ROUND_MUTANTS],
                   "hostile": [(*m, HOSTILE_TESTS) for m in HOSTILE_MUTANTS],
                   "pieces": [(*m, PIECES_TESTS) for m in PIECES_MUTANTS],
+                  "distinct": [(*m, DISTINCT_TESTS) for m in DISTINCT_MUTANTS],
                   "interface": [(*m, INTERFACE_TESTS) for m in INTERFACE_MUTANTS]}
         chosen = sys.argv[1:] or list(suites)
         if set(chosen) - set(suites):

@@ -10,7 +10,7 @@ from . import mutants
 
 ALL = (mutants.MUTANTS + mutants.TP_MUTANTS + mutants.FUSED_MUTANTS + mutants.FUSED_TP_MUTANTS
        + mutants.FUSED_ROUND_MUTANTS + mutants.HOSTILE_MUTANTS + mutants.PIECES_MUTANTS
-       + mutants.INTERFACE_MUTANTS)
+       + mutants.DISTINCT_MUTANTS + mutants.INTERFACE_MUTANTS)
 
 
 @pytest.mark.parametrize("path,old,new,what", ALL, ids=[m[3] for m in ALL])

@@ -145,6 +145,35 @@ def in_pieces(addrs: torch.Tensor, out: torch.Tensor | None, size: int, device: 
     return rows
 
 
+def distinct_addresses(claim: torch.Tensor, table: torch.Tensor, size: int, *, first: int = 0,
+                       piece: int = 1 << 20) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The distinct addresses of a large ``table`` (any shape, ``int32``/``int64``; a prefill
+    page table of ``T x top-k`` entries), with fixed shapes and no sync (marked in ``claim``,
+    gathered by ``torch.nonzero_static``): ``(found, n_distinct, n_bad)``.
+
+    - ``found``: ``int64 [size]``, the distinct addresses in ascending order, ``-1`` after
+      them; beyond ``size`` distinct addresses the largest are dropped (``n_distinct`` tells);
+    - ``n_distinct``, ``n_bad``: ``int64`` 0-dim counts of distinct in-range addresses and of
+      out-of-range entries (neither ``-1`` nor in ``[0, n)``; they are ignored).
+
+    ``claim``: a clean claim table ``int64 [n + 1]`` (:func:`new_claim_table`), clean again
+    on return. Entries in ``[0, first)`` are padding too (an engine's reserved sink page).
+    The table is read in pieces of ``piece`` entries, so temporaries stay ``O(piece + n)``.
+    """
+    n = claim.numel() - 1
+    bad = torch.zeros((), dtype=torch.int64, device=claim.device)
+    for p in table.reshape(-1).split(piece):
+        p = p.to(torch.int64)
+        inrange = (p >= 0) & (p < n)
+        bad += ((p != -1) & ~inrange).sum()
+        claim.index_fill_(0, torch.where(inrange & (p >= first), p, n), 0)
+    marked = claim[:n] == 0
+    n_distinct = marked.sum()
+    found = torch.nonzero_static(marked, size=size, fill_value=-1).view(-1)
+    claim.fill_(NO_CLAIM)
+    return found, n_distinct, bad
+
+
 def first_occurrence(claim: torch.Tensor, safe: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """``keep`` (``bool [n]``) restricted to the first occurrence of each index of ``safe``
     (``int64 [n]``, in range of ``claim``). ``claim`` is an ``int64`` table all ``NO_CLAIM``

@@ -21,8 +21,15 @@ import logging
 import torch
 
 from .config import UlaCacheConfig
-from .errors import CapacityExhausted, ConfigError, ShapeError
-from .group import COUNTERS, SelectionGroup, advance_policies, new_claim_table
+from .errors import AddressError, CapacityExhausted, ConfigError, ShapeError
+from .group import (
+    COUNTERS,
+    SelectionGroup,
+    add_counts,
+    advance_policies,
+    distinct_addresses,
+    new_claim_table,
+)
 from .health import CounterMonitor
 from .pblru import PBLRUArena
 from .pools import free_bytes, resolve_device
@@ -70,6 +77,7 @@ class AddressSpace:
         self.counter_table = torch.zeros(len(layer_groups), len(COUNTERS), dtype=torch.int64,
                                          device=self.device)
         claim = new_claim_table(n_logical, self.device)  # dedup scratch, shared by the groups
+        self.claim_table = claim
         # PB-LRU state of every group stacked in one arena: a round start is one fused launch
         self.policy_arena = PBLRUArena(len(layer_groups), config.gpu_slots, config.n_buckets,
                                        self.device) if config.policy == "pblru" else None
@@ -245,6 +253,34 @@ class AddressSpace:
         g = self.group(group)
         with self.stream.scope():
             return g.access(addrs, out)
+
+    def access_distinct(self, group: int, table: torch.Tensor, first: int = 0) -> None:
+        """One access of a group on the distinct addresses of a large ``table`` (any shape,
+        ``-1`` and addresses below ``first`` are padding): a prefill page table of ``T x top-k``
+        entries becomes at most ``gpu_slots`` distinct rows, all GPU-resident in this round
+        (read their rows with :meth:`translate`, which has no side effects). The bound is
+        what :meth:`prefill_fits` admits; beyond it rows stay put and are counted as
+        ``access_overflow``, out-of-range entries as ``invalid`` (validate off). Validate on:
+        :class:`AddressError` / :class:`CapacityExhausted` before anything changes."""
+        table = self.checked_addresses(table, "access_distinct: table")
+        g = self.group(group)
+        with self.stream.scope():
+            found, n_distinct, bad = distinct_addresses(
+                self.claim_table, table, self.config.gpu_slots, first=first,
+                piece=self.config.call_capacity)
+            if self.validate:
+                if int(bad):
+                    raise AddressError(f"access: {int(bad)} table entries out of range "
+                                       f"[0, {self.n_logical})")
+                if int(n_distinct) > self.config.gpu_slots:
+                    raise CapacityExhausted(
+                        f"access: {int(n_distinct)} distinct rows cannot be GPU-resident at "
+                        f"once in a pool of {self.config.gpu_slots} slots")
+            else:
+                add_counts(g.counters, COUNTERS, {
+                    "invalid": bad,
+                    "access_overflow": (n_distinct - self.config.gpu_slots).clamp_(min=0)})
+            g.access(found.view(1, -1))
 
     def plan(self, group: int, addrs: torch.Tensor,
              out: torch.Tensor | None = None) -> torch.Tensor:

@@ -53,7 +53,15 @@ from .address import local_position, owner_rank
 from .buffer import LocalBuffer
 from .config import UlaCacheConfig
 from .errors import AddressError, CapacityExhausted, ConfigError, ShapeError, UlaCacheError
-from .group import COUNTERS, add_counts, advance_policies, check_out, in_pieces, new_claim_table
+from .group import (
+    COUNTERS,
+    add_counts,
+    advance_policies,
+    check_out,
+    distinct_addresses,
+    in_pieces,
+    new_claim_table,
+)
 from .health import CounterMonitor
 from .pblru import PBLRUArena
 from .pools import resolve_device
@@ -190,6 +198,7 @@ class TPAddressSpace:
                                  else pools)
             self._peer_layers.append(per_layer)
         claim = new_claim_table(n_logical, self.device)  # dedup scratch, shared by buffers
+        self.claim_table = claim  # over the global addresses (also access_distinct's)
         # the buffers' PB-LRU state in one arena, like the groups': one launch starts a round
         self.buffer_arena = PBLRUArena(len(groups), B, config.n_buckets, self.device) \
             if config.policy == "pblru" else None
@@ -600,6 +609,36 @@ class TPAddressSpace:
             self._check_plan(group, addrs)
         return in_pieces(addrs, out, self.call_capacity, self.device,
                          lambda piece, dst: self.access(group, piece, dst))
+
+    def access_distinct(self, group: int, table: torch.Tensor, first: int = 0) -> None:
+        """:meth:`access` on the distinct global addresses of a large ``table`` (any shape;
+        ``-1`` and addresses below ``first`` are padding): a prefill page table of ``T x
+        top-k`` entries becomes at most ``gpu_slots + buffer_slots`` distinct addresses (what
+        :meth:`prefill_fits` admits: own rows in the pool, peers' in the buffer), so the
+        ranks exchange those, not the table. Collective: every rank passes the same table.
+        Beyond the bound rows stay put and are counted as ``access_overflow``, out-of-range
+        entries as ``invalid`` (validate off); validate on: the same error on every rank
+        before any change. Read the rows with :meth:`translate` (no side effects)."""
+        table = self.local.checked_addresses(table, "access_distinct: table")
+        size = self.gpu_slots + self.buffer_slots
+        with self.stream.scope():
+            found, n_distinct, bad = distinct_addresses(self.claim_table, table, size,
+                                                        first=first, piece=self.call_capacity)
+        if self.validate:
+            def check():
+                if int(bad):
+                    raise AddressError(f"access: {int(bad)} table entries out of range "
+                                       f"[0, {self.n_logical})")
+                if int(n_distinct) > size:
+                    raise CapacityExhausted(
+                        f"access: {int(n_distinct)} distinct rows cannot be read at once "
+                        f"through {self.gpu_slots} own slots and {self.buffer_slots} buffer rows")
+            self._agree(check)
+        else:
+            with self.stream.scope():
+                add_counts(self.local.groups[group].counters, COUNTERS, {
+                    "invalid": bad, "access_overflow": (n_distinct - size).clamp_(min=0)})
+        self.access(group, found.view(1, -1))
 
     def translate(self, group: int, addrs: torch.Tensor) -> torch.Tensor:
         """Rows of :meth:`attn_rows` where addresses are readable now without side effects

@@ -12,8 +12,8 @@ the real code, on the ``meta`` device (tensors with shapes and no memory) under 
 3. ulacache's pool, allocator and coordinator over SGLang's ``ReqToTokenPool`` at that count (TP
    mode: every rank of the attention-TP group, each in its own thread over in-process peers on
    the meta device, so every collective runs);
-4. the worst-case calls SGLang makes: the largest chunked prefill (its undeduplicated
-   ``[1, T x top_k]`` page table through every layer), a full decode batch, a speculative verify
+4. the worst-case calls SGLang makes: the largest chunked prefill (its ``[1, T x top_k]``
+   page table through every layer: an access of its distinct addresses, then a translation), a full decode batch, a speculative verify
    batch (with draft tokens), a finish and an abort.
 
 Per GPU it reports SGLang's budget, what the sizing hook charged, every allocation ulacache made
@@ -356,8 +356,7 @@ def _phase(out: dict, ledger: Ledger, name: str):
 def prefill_layers(plan: Plan, n_layers: int) -> list[int]:
     """The layers the rehearsed prefill runs through: all, or ``plan.prefill_layers`` evenly
     spaced ones, first and last included (every layer's call has the same shapes and frees its
-    transients before the next; a TP prefill at 8192 tokens is ~90 core calls per layer, minutes
-    on the meta device)."""
+    transients before the next; a prefill at 8192 tokens is ~90 translation pieces per layer)."""
     n = plan.prefill_layers
     if not n or n >= n_layers:
         return list(range(n_layers))
