@@ -1,47 +1,45 @@
-"""Decode-step simulator: a concurrency sweep with Mooncake arrivals and lengths, three KV policies
-drawing from ONE memory budget (ulacache's shared tiered pool, HiSparse's per-request buffers,
-fully resident), with a modelled step time.
+"""Decode sweep at equal bytes: ulacache, SGLang 0.5.23's HiSparse and fully resident SGLang,
+each given the same per-GPU device and host budget, each tuned, over concurrency limits, seeds
+and a stated step-time model.
 
 SIMULATION + COST MODEL, NOT A GPU MEASUREMENT. What is real and what is modelled:
 
-- **Requests** (real): arrival times, input and output lengths from the Mooncake conversation
-  trace (bundled: its first 2,000 requests, ``bench/data/``); arrivals are compressed by
-  ``--arrival-speedup`` (default 100x: a saturated queue, so each policy runs as many requests as
-  its concurrency limit and memory allow). Prefill is not timed: an admitted request's prompt is
-  placed, and it decodes from the next step; prefix sharing (``hash_ids``) is ignored.
-- **Selections** (synthetic, calibrated on real traces): a locality generator whose parameters
-  come from the real top-64 SmolLM2 selections (``ulacache/tools/data/gpl3.trace.npz``): the
-  share of picks inside the recent window of ``k`` tokens, the chance that position 0 (the sink)
-  is picked, the step-to-step overlap ``|S_t & S_t-1| / k`` and the normalised-position histogram
-  of fresh picks older than the window. Scaling k=64 over 2K to k=2048 over 32K-128K: the shares
-  are kept as shares of k, the recent window stays ``k`` tokens wide (64 -> 2048), fresh old picks
-  keep their position histogram relative to the history length. One generator stream per
-  request (seeded by the request id), used for every layer (one layer's selections stand for all
-  ``--layers``: bytes and launches are multiplied by the layer count).
-- **Policies** (real code): ulacache is the real ``SelectionGroup`` through
-  :class:`ulacache.tools.residency.Residency` (zero-byte rows, ``validate=False``, PB-LRU):
-  placement, spills, promotions and swaps as in serving. HiSparse is
-  :class:`ulacache.tools.hisparse.HiSparseBuffer` (SGLang's swap-in kernel, exact LRU, one per
-  request). Fully resident: every row on the GPU, no PCIe traffic.
-- **Memory** (one budget, latent rows only, index-K not counted): ``G`` GPU rows and ``Hh`` host
-  rows per layer. Resident: unique tokens <= G. ulacache (exclusive tiers): unique <= G + Hh and
-  R x (k + 1) <= G. HiSparse (inclusive host mirror): unique <= Hh and R x (H + 64) <= G. A
-  request reserves input + output tokens; admission is FCFS, head of line blocks.
-- **Step time** (model) = control plane + PCIe + attention (+ ``--other-ms`` per step):
-  control plane: per-launch cost model, ``--launch-us`` (default 2 us, an assumed CUDA-graph
-  node cost) x launches per step; ulacache's launches are COUNTED on the real core
-  (:func:`count_launches`): one round start (all groups), then per group the placement of the
-  new tokens and the access, plus a release on steps where requests finished, each counted once
-  on a small real group on the path ``--ula-path`` runs: ``fused`` (the default on CUDA, and
-  here: Triton launches, run by the interpreter, plus any op outside them) or ``torch`` (aten
-  ops at the dispatcher, views excluded). Both are shape-independent (fixed-shape code), so a
-  small group counts what a large one issues; the other path's figures are reported too.
-  HiSparse ``--hs-launches`` (2: its swap-in kernel and the previous-token backup); resident 0.
-  ``--control measured`` uses this machine's measured CPU time of the policy's access instead,
-  x layers (a CPU figure, not a GPU one); PCIe: max(H2D, D2H) bytes /
-  ``--pcie-gbs`` (full duplex; default 50 GB/s, the H200 copy-engine figure rounded down);
-  attention: a roofline cost model of sparse MLA over the gathered rows (max of FLOPs at
-  ``--attn-tflops`` and row bytes at ``--hbm-tbs``), no torch kernel is run.
+- **Memory** (accounting, :mod:`ulacache.tools.capacity`, what SGLang's sizing charges): one
+  GPU of a DP8 launch on H200 (default) or B300, ``static - weights`` of device memory for KV
+  and the platform's host budget. Each system's pools are what SGLang's configurator gives it
+  from those bytes: HiSparse ``S`` device slots at its cell ``latent + index-K x`` and a host
+  mirror of ``x S``; ulacache ``G`` GPU + ``c G`` CPU slots at the sizing hook's cell (index-K
+  of every logical token, its tables) after its fixed charges (output rows for the level's
+  requests); resident its pool. HiSparse's uncharged device maps are reported beside.
+- **Tuning**: HiSparse ``device_buffer_size`` H and ``host_to_device_ratio`` x, ulacache
+  ``cpu_ratio`` c, each over a grid on seed 0; each system's best (peak serial tokens/s over
+  the levels) is rerun on the other seeds; the peak ratios are printed with their spread.
+- **Admission** (SGLang 0.5.23's, the same code path for both; :class:`Memory`): the prefill
+  budget charges a new request's prompt + min(output, 4096) + a page against the free room less
+  the running requests' remaining output x the new-token ratio (0.7 decaying to 0.098 over 600
+  steps); free room is HiSparse's ``min(logical, device)`` (the device holds every request's
+  buffer, ``min(pages(len), H)`` or ``H + page``, and a prefilling prompt), ulacache's unique
+  capacity (its GPU pool must hold the prompt and one step's selections). A decode step needs
+  a page for every request starting one, else the newest requests are retracted.
+- **Requests** (real): arrivals and lengths from the Mooncake conversation trace (bundled: its
+  first 2,000 requests, ``bench/data/``), arrivals compressed ``--arrival-speedup`` (100x: a
+  saturated queue). Prefill is not timed; prefix sharing is ignored.
+- **Selections** (synthetic, calibrated on real traces; ``bench/locality.py``): one stream per
+  request, generated once per seed and shared by every tuning and level.
+- **Policies** (real code): ulacache is the real ``SelectionGroup`` (zero-byte rows, PB-LRU,
+  :class:`ulacache.tools.residency.Residency`); HiSparse is :class:`ulacache.tools.hisparse.
+  HiSparseBuffer` (SGLang's swap-in kernel, exact LRU per request) plus its previous-token
+  backup; resident moves nothing.
+- **Step time** (model) = control plane (2 us per launch, ulacache's COUNTED on the real core)
+  + sparse-MLA attention roofline + non-attention roofline ``max(weights / HBM, batch x 2 x
+  active params / FLOP rate)`` + PCIe. PCIe serial ``(H2D + D2H) / 50 GB/s`` is the headline;
+  duplex ``max(H2D, D2H)`` is printed but not claimed until ``bench/device_check.sh`` measures
+  duplex ``swap_rows``; the overlap bound ``max(compute, PCIe)`` hides every transfer.
+- **Scale** (``--scale``, default 8 so that the default run fits a 2-core CPU in minutes): k,
+  H, the page, every pool and every request's lengths divided by it; bytes and attention rows
+  multiplied back. ``--scale 1`` runs the full size.
+
+Each assumption and whom it favours is printed with the results (:data:`ASSUMPTIONS`).
 
     python bench/decode_sweep.py                       # default sweep, temp dir output
     python bench/decode_sweep.py --out docs --json     # CSV, markdown, PNG into docs/, JSON out
@@ -58,7 +56,7 @@ import sys
 import tempfile
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -69,11 +67,22 @@ for _p in (str(ROOT), str(ROOT / "bench")):  # the core; decode_rows beside this
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+from locality import (  # noqa: E402,F401  (re-exported: tests and hisparse_head_to_head)
+    HIST_BINS,
+    LocalityModel,
+    SelectionCache,
+    SelectionGen,
+    calibrate,
+    generate,
+    trace_targets,
+)
+
 from ulacache.group import COUNTERS  # noqa: E402
-from ulacache.tools.hisparse import RESERVED_SLOTS, HiSparseBuffer  # noqa: E402
+from ulacache.tools import capacity  # noqa: E402
+from ulacache.tools.hisparse import HiSparseBuffer  # noqa: E402
 from ulacache.tools.launches import count_launches, fused_countable, step_launches  # noqa: E402
 from ulacache.tools.residency import Residency  # noqa: E402
-from ulacache.tools.traces import Trace, load_trace  # noqa: E402
+from ulacache.tools.traces import load_trace  # noqa: E402
 
 try:
     from tqdm import tqdm
@@ -85,160 +94,13 @@ logger = logging.getLogger("bench.decode_sweep")
 # bundled: the first 2,000 requests of the Mooncake conversation trace (bench/data/README.md)
 MOONCAKE = Path(__file__).resolve().parent / "data" / "mooncake_conversation_head2000.jsonl.gz"
 TRACE = ROOT / "ulacache" / "tools" / "data" / "gpl3.trace.npz"
-POLICIES = ("ulacache", "hisparse", "resident")
-CSV_COLUMNS = ("concurrency", "policy", "admitted_mean", "admitted_max", "steps",
-               "gpu_hit_rate", "h2d_mb_per_step", "d2h_mb_per_step", "pcie_mb_per_step",
-               "control_ms", "pcie_ms", "attn_ms", "step_ms", "tokens_per_s",
-               "cpu_ctl_ms_per_step", "overflow", "finished", "ula_launches_per_step",
-               "step_ms_other_path", "tokens_per_s_other_path", "tokens_per_s_pcie_hidden",
+CSV_COLUMNS = ("seed", "tuning", "concurrency", "policy", "gpu_rows", "host_rows",
+               "admitted_mean", "admitted_max", "steps", "gpu_hit_rate", "h2d_mb_per_step",
+               "d2h_mb_per_step", "control_ms", "attn_ms", "other_ms", "pcie_serial_ms",
+               "pcie_duplex_ms", "step_ms", "tokens_per_s", "tokens_per_s_duplex",
+               "tokens_per_s_overlap", "tokens_per_s_other_path", "retracted", "overflow",
+               "finished", "ula_launches_per_step", "uncharged_gpu_bytes", "cpu_ctl_ms_per_step",
                "measured_layer_ms", "tokens_per_s_measured")
-HIST_BINS = 20
-
-
-# -- locality generator -------------------------------------------------------------------
-@dataclass
-class LocalityModel:
-    """Calibrated selection locality (shares are of k; the window is ``window_ratio x k``)."""
-
-    recent_share: float  # picks with distance < window
-    sink_prob: float  # P(position 0 picked) per step
-    overlap: float  # target mean |S_t & S_t-1| / k
-    keep_prob: float  # generator knob: P(a previous pick is kept), calibrated to ``overlap``
-    old_hist: list[float] = field(default_factory=list)  # fresh old picks: pos / (p - W + 1)
-    window_ratio: float = 1.0
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-def trace_targets(sel: np.ndarray, pos: np.ndarray, k: int, window_ratio: float = 1.0) -> dict:
-    """Locality figures of selections ``sel`` int ``[layers, steps, k]`` (-1 padded) at query
-    positions ``pos``: recent share, sink probability, overlap, fresh-old-pick histogram."""
-    w = max(1, round(window_ratio * k))
-    valid = sel >= 0
-    dist = pos[None, :, None] - sel
-    recent = float((valid & (dist < w)).sum() / valid.sum())
-    sink = float((sel == 0).any(-1).mean())
-    overlaps, fresh = [], []
-    for layer in range(sel.shape[0]):
-        prev = None
-        for s in range(sel.shape[1]):
-            row = sel[layer, s]
-            row = row[row >= 0]
-            p = int(pos[s])
-            if prev is not None:
-                overlaps.append(np.intersect1d(row, prev, assume_unique=True).size / k)
-                old = row[(p - row >= w) & (row > 0)]
-                old = old[~np.isin(old, prev)]
-                if old.size and p - w + 1 > 0:
-                    fresh.append(old / (p - w + 1))
-            prev = row
-    fresh_all = np.concatenate(fresh) if fresh else np.zeros(1)
-    hist, _ = np.histogram(np.clip(fresh_all, 0, 1 - 1e-9), bins=HIST_BINS, range=(0, 1))
-    return {"recent_share": recent, "sink_prob": sink, "overlap": float(np.mean(overlaps)),
-            "old_hist": (hist / max(1, hist.sum())).tolist()}
-
-
-class SelectionGen:
-    """One request's selections: ``step(p)`` -> sorted unique positions in ``[0, p]``, ``k`` of
-    them (all ``p + 1`` while ``p < k``). Previous picks kept with ``keep_prob`` (the sink
-    excluded), the recent window topped up to its share (always the newest token), the sink
-    (position 0) with ``sink_prob``, then fresh old picks in ``[1, p - W]`` from the histogram
-    of normalised positions."""
-
-    def __init__(self, model: LocalityModel, k: int, rng: np.random.Generator):
-        self.m, self.k, self.rng = model, k, rng
-        self.w = max(1, round(model.window_ratio * k))
-        self.n_recent = min(k, max(1, round(model.recent_share * k)))
-        self.cdf = np.cumsum(np.asarray(model.old_hist, dtype=np.float64))
-        if self.cdf.size == 0 or self.cdf[-1] <= 0:
-            self.cdf = np.linspace(1 / HIST_BINS, 1, HIST_BINS)
-        self.cdf /= self.cdf[-1]
-        self.prev = np.empty(0, dtype=np.int64)
-
-    def _fill(self, chosen: np.ndarray, lo: int, hi: int, n: int, hist: bool) -> np.ndarray:
-        """``n`` new positions in ``[lo, hi)`` not in ``chosen`` (uniform, or by the histogram)."""
-        if n <= 0 or hi <= lo:
-            return np.empty(0, dtype=np.int64)
-        span = hi - lo
-        free = span - int(((chosen >= lo) & (chosen < hi)).sum())
-        n = min(n, free)
-        if n <= 0:
-            return np.empty(0, dtype=np.int64)
-        if free <= 2 * n:  # dense: exact draw without replacement
-            cand = np.setdiff1d(np.arange(lo, hi), chosen, assume_unique=False)
-            return self.rng.choice(cand, n, replace=False)
-        out = np.empty(0, dtype=np.int64)
-        for _ in range(8):
-            m = 2 * (n - out.size) + 8
-            if hist:
-                b = np.searchsorted(self.cdf, self.rng.random(m), side="right")
-                u = (np.minimum(b, HIST_BINS - 1) + self.rng.random(m)) / HIST_BINS
-                cand = lo + np.minimum((u * span).astype(np.int64), span - 1)
-            else:
-                cand = self.rng.integers(lo, hi, m)
-            cand = np.unique(cand)
-            cand = cand[~np.isin(cand, chosen) & ~np.isin(cand, out)]
-            self.rng.shuffle(cand)
-            out = np.concatenate([out, cand[: n - out.size]])
-            if out.size >= n:
-                break
-        if out.size < n:  # fall back to uniform fill
-            rest = np.setdiff1d(np.arange(lo, hi), np.concatenate([chosen, out]))
-            out = np.concatenate([out, self.rng.choice(rest, n - out.size, replace=False)])
-        return out
-
-    def step(self, p: int) -> np.ndarray:
-        k = self.k
-        if p + 1 <= k:
-            self.prev = np.arange(p + 1, dtype=np.int64)
-            return self.prev
-        w_lo = max(0, p - self.w + 1)  # recent window [w_lo, p]
-        prev = self.prev[self.prev > 0]  # the sink (position 0) has its own probability
-        kept = prev[self.rng.random(prev.size) < self.m.keep_prob]
-        chosen = np.union1d(kept, [p])
-        n_rec_have = int((chosen >= w_lo).sum())
-        chosen = np.union1d(chosen, self._fill(chosen, w_lo, p + 1,
-                                               self.n_recent - n_rec_have, hist=False))
-        if w_lo > 0 and self.rng.random() < self.m.sink_prob:
-            chosen = np.union1d(chosen, [0])
-        n_old = k - chosen.size
-        if n_old > 0:
-            chosen = np.union1d(chosen, self._fill(chosen, 1, w_lo, n_old, hist=True))
-        if chosen.size < k:  # short old region: top up from the window
-            chosen = np.union1d(chosen, self._fill(chosen, w_lo, p + 1, k - chosen.size, False))
-        if chosen.size > k:  # too many kept: drop random entries (not the newest, not the sink)
-            drop = self.rng.choice(np.flatnonzero((chosen != p) & (chosen != 0)),
-                                   chosen.size - k, replace=False)
-            chosen = np.delete(chosen, drop)
-        self.prev = chosen.astype(np.int64)
-        return self.prev
-
-
-def generate(model: LocalityModel, k: int, positions: np.ndarray, seed: int) -> np.ndarray:
-    """Selections ``[steps, k]`` (-1 padded) of one generator over ``positions``."""
-    gen = SelectionGen(model, k, np.random.default_rng(seed))
-    out = np.full((positions.size, k), -1, dtype=np.int64)
-    for i, p in enumerate(positions):
-        s = gen.step(int(p))
-        out[i, : s.size] = s
-    return out
-
-
-def calibrate(trace: Trace, window_ratio: float = 1.0, layers: int = 8, iters: int = 4,
-              seed: int = 0) -> LocalityModel:
-    """Targets from ``layers`` evenly spaced layers of the real ``trace``; ``keep_prob`` is
-    fitted so that the generator at the trace's own scale hits the overlap target."""
-    idx = np.unique(np.linspace(0, trace.layers - 1, min(layers, trace.layers)).astype(int))
-    sel, pos = trace.selections[idx].astype(np.int64), trace.positions.astype(np.int64)
-    t = trace_targets(sel, pos, trace.k, window_ratio)
-    m = LocalityModel(t["recent_share"], t["sink_prob"], t["overlap"], t["overlap"],
-                      t["old_hist"], window_ratio)
-    for i in range(iters):
-        g = generate(m, trace.k, pos, seed + i)
-        got = trace_targets(g[None], pos, trace.k, window_ratio)["overlap"]
-        m.keep_prob = float(np.clip(m.keep_prob + (m.overlap - got), 0.0, 1.0))
-    return m
 
 
 # -- requests -------------------------------------------------------------------------------
@@ -269,16 +131,31 @@ def load_requests(path: Path, n: int, speedup: float, max_input: int | None = No
 
 
 # -- policies -------------------------------------------------------------------------------
+# SGLang 0.5.23's admission constants (srt/environ.py:646-650): the running requests' remaining
+# output is charged at new_token_ratio x min(left, 4096), the ratio decaying from 0.7 to
+# 0.7 x 0.14 over 600 decode steps and reset when a decode step has to retract requests.
+CLIP_NEW_TOKENS = 4096
+RATIO_INIT, RATIO_MIN_FACTOR, RATIO_DECAY_STEPS = 0.7, 0.14, 600
+
+
 @dataclass
 class Config:
+    """One simulated launch. ``gpu_rows`` and ``host_rows`` are the policy's own pools, per
+    layer (:func:`equal_bytes` derives them from one per-GPU byte budget): ulacache ``G`` GPU
+    slots and ``c G`` CPU slots; HiSparse ``S`` device slots and a host mirror / logical pool of
+    ``x S``; resident ``G``. ``scale`` divides k, H, the page, every pool and every request's
+    lengths (a CPU-sized run); bytes and attention rows are multiplied back."""
+
     k: int = 2048
     layers: int = 61  # DeepSeek-V3.2
     row_bytes: int = 656  # FP8 FlashMLA row
-    gpu_rows: int = 300_000  # G: GPU latent rows per layer (the one budget)
-    host_rows: int = 3_000_000  # Hh: host rows per layer
+    gpu_rows: int = 300_000
+    host_rows: int = 3_000_000
     h_slots: int = 4096  # HiSparse device_buffer_size (2 x top_k)
+    page: int = 64  # SGLang's DSA page
     buckets: int = 64
-    steps: int = 128
+    steps: int = 256  # measured steps, after the warm-up
+    warmup: int = 64  # steps run before measuring (admission ramp)
     pcie_gbs: float = 50.0
     launch_us: float = 2.0  # per kernel node in a CUDA-graph replay (assumed)
     ula_path: str = "fused"  # whose launches are counted: "fused" (CUDA default) | "torch"
@@ -289,34 +166,33 @@ class Config:
     d_v: int = 512
     attn_tflops: float = 400.0  # sustained sparse-MLA FLOP rate (H200 bf16 989 peak x ~0.4)
     hbm_tbs: float = 4.0
-    other_ms: float = 20.0  # fixed per-step time outside attention (weights, MoE; assumed)
+    other_ms: float | None = None  # fixed non-attention time per step; None: other_seconds()
+    weights_gb: float = 685 / 8  # weights read per step per GPU (DeepSeek-V3.2 FP8 / 8 GPUs)
+    active_params_b: float = 37.0  # activated parameters per token (DeepSeek-V3.2)
+    mlp_tflops: float = 400.0  # sustained dense/MoE FLOP rate (H200 fp8 1979 peak x ~0.2)
+    scale: int = 1
     real_rows: bool = False  # also move and read one layer of real rows, timed (decode_rows)
     device: str = "cpu"  # where --real-rows runs (cuda when available)
     seed: int = 0
 
-
-def capacity_ok(policy: str, cfg: Config, running: int, reserved: int, req: Request) -> bool:
-    """Can ``req`` join ``running`` requests holding ``reserved`` tokens under ``policy``?"""
-    need = reserved + req.input_len + req.output_len
-    if policy == "resident":
-        return need <= cfg.gpu_rows
-    if policy == "ulacache":
-        return need <= cfg.gpu_rows + cfg.host_rows and (running + 1) * (cfg.k + 1) <= cfg.gpu_rows
-    if policy == "hisparse":
-        return (need <= cfg.host_rows
-                and (running + 1) * (cfg.h_slots + RESERVED_SLOTS) <= cfg.gpu_rows)
-    raise ValueError(policy)
+    def scaled(self, s: int) -> Config:
+        """This launch at ``1/s`` size (k, H, page and pools divided; see the class)."""
+        if s == 1:
+            return self
+        return replace(self, k=self.k // s, h_slots=self.h_slots // s, page=max(1, self.page // s),
+                       gpu_rows=self.gpu_rows // s, host_rows=self.host_rows // s, scale=s)
 
 
-@dataclass
-class _Live:
-    req: Request
-    pos: int  # position of the next token (= current length)
-    left: int
-    gen: SelectionGen
-    addrs: np.ndarray | None = None  # row per position (ulacache; --real-rows: all policies)
-    buf: HiSparseBuffer | None = None
-    buffer: int = 0  # --real-rows: HiSparse device buffer index
+def other_seconds(cfg: Config, batch: int) -> float:
+    """Non-attention time of a decode step with ``batch`` requests per GPU (DP attention, EP
+    MoE): a roofline, ``max(weights / HBM, batch x 2 x active params / FLOP rate)``: reading the
+    GPU's share of the weights once per step (all experts are hit at these batch sizes) or the
+    dense and expert FLOPs of the batch, whichever is longer. ``other_ms`` fixes it instead."""
+    if cfg.other_ms is not None:
+        return cfg.other_ms * 1e-3
+    weights = cfg.weights_gb * 1e9 / (cfg.hbm_tbs * 1e12)
+    flops = batch * 2.0 * cfg.active_params_b * 1e9 / (cfg.mlp_tflops * 1e12)
+    return max(weights, flops)
 
 
 def attention_seconds(cfg: Config, n_selected: int) -> float:
@@ -351,295 +227,563 @@ def timed_path(cfg: Config, counts: dict[str, dict[str, int]]) -> Config:
     return replace(cfg, ula_path="torch") if counts and cfg.ula_path not in counts else cfg
 
 
+def pages(n: int, page: int) -> int:
+    """``n`` tokens rounded up to whole pages (SGLang's paged allocators)."""
+    return -(-n // page) * page
+
+
+@dataclass
+class _Live:
+    req: Request
+    pos: int  # current length = position of the next token
+    left: int  # output tokens still to decode
+    start: int  # length at (re)admission: HiSparse's buffer restarts there
+    addrs: np.ndarray | None = None  # ulacache: address of each position (first ``pos`` set)
+    buf: HiSparseBuffer | None = None  # --real-rows only (else HiSparseCache)
+    buffer: int = 0  # --real-rows: HiSparse device buffer index
+    host: np.ndarray | None = None  # --real-rows: row of each position (mirror / pool)
+
+
+class HiSparseCache:
+    """Per-request HiSparse swap-in outcomes ``(hits, misses)`` of each step, computed once per
+    (buffer size, request, start length) and shared by every run of a seed: a HiSparse buffer
+    is private to its request, so its hits depend on the request's own selections only (never
+    on the batch, the pools or the concurrency level)."""
+
+    def __init__(self, selections: SelectionCache):
+        self.sel = selections
+        self._runs: dict[tuple[int, int, int], tuple[HiSparseBuffer, list[tuple[int, int]]]] = {}
+
+    def get(self, h_slots: int, rid: int, start: int, pos: int) -> tuple[int, int]:
+        key = (h_slots, rid, start)
+        if key not in self._runs:
+            self._runs[key] = (HiSparseBuffer(h_slots), [])
+        buf, out = self._runs[key]
+        while len(out) <= pos - start:
+            p = start + len(out)
+            out.append(buf.step(self.sel.get(rid, p), p))
+        return out[pos - start]
+
+
+class Memory:
+    """SGLang 0.5.23's admission and decode-room checks for one policy, in tokens.
+
+    Admission (``schedule_policy.py:1407-1427`` via ``prefill_budget.py:126-129``): a request
+    joins when ``prompt + min(output, 4096) + page < free - sum(min(left_i, 4096)) x ratio``
+    over the running requests. ``free``: HiSparse ``min(logical free, device free)``
+    (``allocator/hisparse.py:113-117``; the device holds every running request's buffer,
+    ``min(pages(len), H)``, or ``H + page`` once it reaches H, ``hisparse_coordinator.py:946-
+    1058``, and the whole prompt while it prefills); ulacache its unique capacity, GPU + CPU
+    (exclusive tiers), with the prompt on the GPU (``prefill_fits``) and a step's selections
+    in the GPU pool (``check_step_capacity``: ``level x (k + 1) <= G``, refused at start-up
+    otherwise); resident the pool. Decode (``allocator/base.py:171-185``): every request
+    starting a page needs one page free, else requests are retracted."""
+
+    def __init__(self, policy: str, cfg: Config):
+        self.policy, self.cfg = policy, cfg
+
+    def buffer(self, length: int) -> int:
+        """HiSparse device slots of a running request of ``length`` tokens."""
+        c = self.cfg
+        n = min(pages(length, c.page), c.h_slots)
+        return c.h_slots + c.page if n >= c.h_slots else n
+
+    def free(self, running: list[_Live]) -> int:
+        c = self.cfg
+        logical = sum(pages(lv.pos, c.page) for lv in running)
+        if self.policy == "hisparse":
+            device = sum(self.buffer(lv.pos) for lv in running)
+            return min(c.host_rows - logical, c.gpu_rows - device)
+        return (c.gpu_rows + c.host_rows if self.policy == "ulacache" else c.gpu_rows) - logical
+
+    def admits(self, running: list[_Live], prompt: int, output: int, ratio: float) -> bool:
+        c = self.cfg
+        if self.policy == "ulacache" and prompt > c.gpu_rows:  # prefill_fits
+            return False
+        reserve = sum(min(lv.left, CLIP_NEW_TOKENS // c.scale) for lv in running) * ratio
+        need = prompt + min(output, CLIP_NEW_TOKENS // c.scale) + c.page
+        return need < self.free(running) - reserve
+
+    def decode_room(self, running: list[_Live]) -> bool:
+        """Every request whose next token starts a page gets one (``check_decode_capacity``)."""
+        starting = sum(1 for lv in running if lv.pos % self.cfg.page == 0)
+        return self.free(running) >= self.cfg.page * starting
+
+
+def level_refused(policy: str, cfg: Config, level: int) -> str | None:
+    """Why a launch with ``--max-running-requests level`` does not start, or ``None``."""
+    if policy == "ulacache" and level * (cfg.k + 1) > cfg.gpu_rows:
+        return (f"ulacache refuses --max-running-requests {level}: a step's selections "
+                f"{level} x {cfg.k + 1} exceed the GPU pool ({cfg.gpu_rows} slots)")
+    return None
+
+
 def run_level(policy: str, concurrency: int, cfg: Config, requests: list[Request],
-              model: LocalityModel, counts: dict[str, dict[str, int]] | None = None) -> dict:
-    """Simulate ``cfg.steps`` decode steps of ``policy`` with at most ``concurrency`` running.
-    ``counts``: ulacache's launch counts per path (``{"fused": ..., "torch": ...}``, from
-    :func:`count_launches`; the path ``cfg.ula_path`` times the step, the other is reported)."""
-    pending = deque(requests)
-    waiting: deque[Request] = deque()
+              model: LocalityModel, counts: dict[str, dict[str, int]] | None = None,
+              selections: SelectionCache | None = None,
+              hisparse: HiSparseCache | None = None) -> dict:
+    """Simulate ``cfg.warmup + cfg.steps`` decode steps of ``policy`` with at most
+    ``concurrency`` running (``--max-running-requests``), measuring the last ``cfg.steps``.
+    ``cfg`` is already at its simulated scale. ``counts``: ulacache's launch counts per path
+    (:func:`count_launches`; ``cfg.ula_path`` times the step, the other is reported).
+    ``selections`` / ``hisparse``: the seed's shared caches (made here when absent)."""
+    selections = selections or SelectionCache(model, cfg.k, cfg.seed)
+    hisparse = hisparse or HiSparseCache(selections)
+    mem = Memory(policy, cfg)
+    pending = deque(sorted(requests, key=lambda r: r.arrival_s))
+    waiting: deque[_Live | Request] = deque()
     running: list[_Live] = []
-    reserved = 0
-    now = 0.0
-    ula = None
-    free_addrs = None
-    real = None  # --real-rows: decode_rows.RealRows of this level
+    now, ratio = 0.0, RATIO_INIT
+    ratio_min = RATIO_INIT * RATIO_MIN_FACTOR
+    s = cfg.scale
+    ula = real = None
+    free_addrs: list[int] = []
     if policy == "ulacache":
         counts = counts or launch_counts(cfg)
         cfg = timed_path(cfg, counts)
-        if cfg.real_rows:  # one layer of real rows on the device, the serving access path
-            ula = Residency("pblru", cfg.gpu_rows, cfg.gpu_rows + cfg.host_rows, cfg.buckets,
-                            device=cfg.device, layers=1, row_bytes=cfg.row_bytes)
-        else:
-            ula = Residency("pblru", cfg.gpu_rows, cfg.gpu_rows + cfg.host_rows, cfg.buckets)
-        free_addrs = list(range(cfg.gpu_rows + cfg.host_rows - 1, -1, -1))
+        unique = cfg.gpu_rows + cfg.host_rows
+        ula = Residency("pblru", cfg.gpu_rows, unique, cfg.buckets, device=cfg.device,
+                        layers=1, row_bytes=cfg.row_bytes) if cfg.real_rows else \
+            Residency("pblru", cfg.gpu_rows, unique, cfg.buckets)
+        free_addrs = list(range(unique - 1, -1, -1))
     if cfg.real_rows:
         from decode_rows import RealRows
 
         real = RealRows(policy, torch.device(cfg.device), cfg.gpu_rows, cfg.host_rows,
-                        cfg.h_slots, RESERVED_SLOTS, cfg.heads, cfg.k, ula)
-        # rows of each request: HiSparse's host mirror and device buffer, resident's pool
+                        cfg.h_slots, cfg.page, cfg.heads, cfg.k, ula)
         free_rows = list(range((cfg.host_rows if policy == "hisparse" else cfg.gpu_rows) - 1,
                                -1, -1))
-        free_buffers = list(range(cfg.gpu_rows // (cfg.h_slots + RESERVED_SLOTS) - 1, -1, -1))
-    tot = dict(acc=0, hit=0, h2d=0, d2h=0, ctl=0.0, pcie=0.0, attn=0.0, step=0.0, tokens=0,
-               cpu=0.0, overflow=0, finished=0, admitted=[], steps=0, launches=0,
-               step_other=0.0)
+        free_buffers = list(range(cfg.gpu_rows // (cfg.h_slots + cfg.page) - 1, -1, -1))
     other_path = next((p for p in (counts or {}) if p != cfg.ula_path), None)
-    for _ in range(cfg.steps):
+    keys = ("acc", "hit", "h2d", "d2h", "ctl", "ctl_other", "attn", "other", "tokens", "cpu",
+            "serial", "duplex", "overlap", "pcie_dx", "other_path")
+    tot = dict.fromkeys(keys, 0.0) | dict(overflow=0, finished=0, retracted=0, admitted=[],
+                                         steps=0, launches=0)
+    pending_release: list[np.ndarray] = []
+
+    def flush() -> None:
+        """Rows of finished and retracted requests: released at a round start, then their
+        addresses are free for new tokens."""
+        if pending_release:
+            freed = np.concatenate(pending_release)
+            ula.new_round()
+            ula.group.release(torch.from_numpy(freed))
+            free_addrs.extend(freed[::-1].tolist())
+            pending_release.clear()
+
+    def admit(item) -> _Live:
+        if isinstance(item, _Live):  # a retracted request: re-prefilled at its length
+            lv = item
+            lv.start = lv.pos
+        else:
+            lv = _Live(item, item.input_len, item.output_len, item.input_len)
+        if ula is not None:
+            lv.addrs = np.empty(lv.req.input_len + lv.req.output_len, dtype=np.int64)
+            lv.addrs[: lv.pos] = [free_addrs.pop() for _ in range(lv.pos)]
+            ula.place(torch.from_numpy(lv.addrs[: lv.pos]))
+        if real is not None and ula is None:
+            n = lv.req.input_len + lv.req.output_len
+            lv.host = np.array(free_rows[-n:][::-1], dtype=np.int64)
+            del free_rows[-n:]
+            if policy == "hisparse":
+                lv.buffer, lv.buf = free_buffers.pop(), HiSparseBuffer(cfg.h_slots)
+                real.hisparse_admit(lv.buffer, lv.host)
+        return lv
+
+    def drop(lv: _Live) -> None:
+        if ula is not None:
+            pending_release.append(lv.addrs[: lv.pos].copy())
+        if real is not None and ula is None:
+            free_rows.extend(lv.host[::-1].tolist())
+            if policy == "hisparse":
+                free_buffers.append(lv.buffer)
+
+    for step in range(cfg.warmup + cfg.steps):
+        in_window = step >= cfg.warmup
+        if ula is not None:
+            flush()
         while pending and pending[0].arrival_s <= now:
             waiting.append(pending.popleft())
         if not running and not waiting and pending:  # idle: jump to the next arrival
             now = pending[0].arrival_s
             waiting.append(pending.popleft())
-        while (waiting and len(running) < concurrency
-               and capacity_ok(policy, cfg, len(running), reserved, waiting[0])):
-            r = waiting.popleft()
-            reserved += r.input_len + r.output_len
-            live = _Live(r, r.input_len, r.output_len,
-                         SelectionGen(model, cfg.k, np.random.default_rng([cfg.seed, r.rid])))
-            if ula is not None:
-                n = r.input_len + r.output_len
-                live.addrs = np.array(free_addrs[-n:][::-1], dtype=np.int64)
-                del free_addrs[-n:]
-                ula.place(torch.from_numpy(live.addrs[: r.input_len]))
-            elif policy == "hisparse":
-                live.buf = HiSparseBuffer(cfg.h_slots)
-            if real is not None and ula is None:  # rows for its tokens (+ a HiSparse buffer)
-                n = r.input_len + r.output_len
-                live.addrs = np.array(free_rows[-n:][::-1], dtype=np.int64)
-                del free_rows[-n:]
-                if policy == "hisparse":
-                    live.buffer = free_buffers.pop()
-                    real.hisparse_admit(live.buffer, live.addrs)
-            running.append(live)
+        while waiting and len(running) < concurrency:
+            head = waiting[0]
+            prompt = head.pos if isinstance(head, _Live) else head.input_len
+            left = head.left if isinstance(head, _Live) else head.output_len
+            if not mem.admits(running, prompt, left, ratio):
+                break
+            running.append(admit(waiting.popleft()))
+        while running and not mem.decode_room(running):  # retract the newest first
+            lv = running.pop()
+            drop(lv)
+            waiting.appendleft(lv)
+            tot["retracted"] += 1
+            ratio = RATIO_INIT
         if not running:
             break
-        sels = [lv.gen.step(lv.pos) for lv in running]
-        n_sel = sum(s.size for s in sels)
+        if ula is not None:
+            flush()
+        sels = [selections.get(lv.req.rid, lv.pos) for lv in running]
+        n_sel = sum(x.size for x in sels)
         acc = hit = h2d_rows = d2h_rows = 0
         t0 = time.perf_counter()
         if ula is not None:
             before = ula.group.counters.clone()
+            for lv in running:
+                lv.addrs[lv.pos] = free_addrs.pop()  # the new token's address
             batch = torch.full((len(running), cfg.k), -1, dtype=torch.int64)
-            for i, (lv, s) in enumerate(zip(running, sels)):
-                batch[i, : s.size] = torch.from_numpy(lv.addrs[s])
-            new = torch.from_numpy(np.array([lv.addrs[lv.pos] for lv in running]))
+            for i, (lv, x) in enumerate(zip(running, sels)):
+                batch[i, : x.size] = torch.from_numpy(lv.addrs[x])
+            new = torch.tensor([lv.addrs[lv.pos] for lv in running], dtype=torch.int64)
             if real is not None:
                 real.ulacache_step(new, batch)
             else:
                 ula.step(new, batch, timed=False)
             d = dict(zip(COUNTERS, (ula.group.counters - before).tolist()))
-            acc, hit = d["accesses"], d["gpu_hits"]
-            h2d_rows = d["promotions"]
+            acc, hit, h2d_rows = d["accesses"], d["gpu_hits"], d["promotions"]
             d2h_rows = d["writebacks"] + d["spills"]
             tot["overflow"] += d["access_overflow"] + d["place_overflow"]
         elif policy == "hisparse":
-            for lv, s in zip(running, sels):
-                h, m = lv.buf.step(s, lv.pos)
-                acc += h + m
-                hit += h
-                h2d_rows += m
-            d2h_rows = len(running)  # the previous newest token's backup, per request
+            for lv, x in zip(running, sels):
+                h, m = lv.buf.step(x, lv.pos) if lv.buf is not None else \
+                    hisparse.get(cfg.h_slots, lv.req.rid, lv.start, lv.pos)
+                acc, hit, h2d_rows = acc + h + m, hit + h, h2d_rows + m
+            # the previous newest token's backup, skipped on the first step after staging
+            d2h_rows = sum(1 for lv in running if lv.pos > lv.start)
             if real is not None:
-                real.hisparse_step([lv.buffer for lv in running], [lv.addrs for lv in running],
+                real.hisparse_step([lv.buffer for lv in running], [lv.host for lv in running],
                                    sels, [lv.buf for lv in running],
-                                   [lv.pos - 1 if lv.pos > lv.req.input_len else -1
-                                    for lv in running])  # the prompt's rows are mirrored
+                                   [lv.pos - 1 if lv.pos > lv.start else -1 for lv in running])
         else:
             acc = hit = n_sel
             if real is not None:
                 rows = np.full((len(running), cfg.k), -1, dtype=np.int64)
-                for i, (lv, sel) in enumerate(zip(running, sels)):
-                    rows[i, : sel.size] = lv.addrs[sel]
+                for i, (lv, x) in enumerate(zip(running, sels)):
+                    rows[i, : x.size] = lv.host[x]
                 real.resident_step(rows)
         cpu = time.perf_counter() - t0
-        # this step's finished requests are released at the next round start (below)
         finishing = any(lv.left <= 1 for lv in running)
-        ctl_other = 0.0
+        ctl = ctl_other = 0.0
         if ula is not None:
             ctl = ula_control_seconds(cfg, counts[cfg.ula_path], finishing)
             ctl_other = ula_control_seconds(cfg, counts[other_path], finishing) \
                 if other_path else ctl
-            tot["launches"] += round(ctl / (cfg.launch_us * 1e-6))
-        else:
-            ctl = cfg.layers * (cfg.hs_launches if policy == "hisparse" else 0) \
-                * cfg.launch_us * 1e-6
+        elif policy == "hisparse":
+            ctl = ctl_other = cfg.layers * cfg.hs_launches * cfg.launch_us * 1e-6
         if cfg.control == "measured":
             ctl = ctl_other = cpu * cfg.layers
-        h2d = h2d_rows * cfg.row_bytes * cfg.layers
-        d2h = d2h_rows * cfg.row_bytes * cfg.layers
-        pcie = max(h2d, d2h) / (cfg.pcie_gbs * 1e9)
-        attn = attention_seconds(cfg, n_sel)
-        step = ctl + pcie + attn + cfg.other_ms * 1e-3
-        now += step
-        tot["admitted"].append(len(running))
-        for key, v in (("acc", acc), ("hit", hit), ("h2d", h2d), ("d2h", d2h), ("ctl", ctl),
-                       ("pcie", pcie), ("attn", attn), ("step", step), ("cpu", cpu),
-                       ("tokens", len(running))):
-            tot[key] += v
-        tot["steps"] += 1
-        tot["step_other"] += step - ctl + (ctl_other if ula is not None else ctl)
-        still, done = [], []
+        row = cfg.row_bytes * cfg.layers * s  # one simulated row stands for s real rows
+        h2d, d2h = h2d_rows * row, d2h_rows * row
+        bw = cfg.pcie_gbs * 1e9
+        attn = attention_seconds(cfg, n_sel * s)
+        other = other_seconds(cfg, len(running))
+        compute = ctl + attn + other
+        serial = compute + (h2d + d2h) / bw
+        now += serial
+        if in_window:
+            tot["admitted"].append(len(running))
+            for key, v in (("acc", acc), ("hit", hit), ("h2d", h2d), ("d2h", d2h),
+                           ("ctl", ctl), ("ctl_other", ctl_other), ("attn", attn),
+                           ("other", other), ("cpu", cpu), ("tokens", len(running)),
+                           ("serial", serial), ("duplex", compute + max(h2d, d2h) / bw),
+                           ("overlap", max(compute, (h2d + d2h) / bw)),
+                           ("pcie_dx", max(h2d, d2h) / bw),
+                           ("other_path", serial - ctl + ctl_other)):
+                tot[key] += v
+            tot["steps"] += 1
+            if ula is not None:
+                tot["launches"] += round(ctl / (cfg.launch_us * 1e-6))
+        ratio = max(ratio - (RATIO_INIT - ratio_min) / RATIO_DECAY_STEPS, ratio_min)
+        still = []
         for lv in running:
             lv.pos += 1
             lv.left -= 1
             if lv.left > 0:
                 still.append(lv)
                 continue
-            tot["finished"] += 1
-            reserved -= lv.req.input_len + lv.req.output_len
-            if ula is not None:
-                done.append(lv.addrs)
-            elif real is not None:
-                free_rows.extend(lv.addrs[::-1].tolist())
-                if policy == "hisparse":
-                    free_buffers.append(lv.buffer)
-        if done:  # finished requests free their rows at the round boundary
-            ula.new_round()
-            ula.group.release(torch.from_numpy(np.concatenate(done)))
-            for a in done:
-                free_addrs.extend(a[::-1].tolist())
+            if in_window:
+                tot["finished"] += 1
+            drop(lv)
         running = still
-    s = max(1, tot["steps"])
+    n = max(1, tot["steps"])
     measured = {"measured_layer_ms": 0.0, "tokens_per_s_measured": 0.0}
-    if real is not None and real.seconds:
-        # one layer measured x layers + the fixed time; HiSparse's swap-in decisions ran on
-        # the host, so its modelled control time is added
-        warm = min(2, len(real.seconds) - 1)  # first steps: allocation, compilation
-        secs, admitted = real.seconds[warm:], tot["admitted"][warm:]
-        steps_s = [x * cfg.layers + cfg.other_ms * 1e-3 for x in secs]
+    if real is not None and len(real.seconds) > 1:
+        # one layer measured x layers + the non-attention time (HiSparse's swap-in decisions
+        # ran on the host: its modelled control time is added)
+        secs = real.seconds[-tot["steps"]:] if tot["steps"] else real.seconds
+        steps_s = [x * cfg.layers + other_seconds(cfg, b) for x, b in
+                   zip(secs, tot["admitted"][-len(secs):])]
         if policy == "hisparse":
             steps_s = [x + cfg.layers * cfg.hs_launches * cfg.launch_us * 1e-6 for x in steps_s]
         measured = {"measured_layer_ms": float(np.mean(secs)) * 1e3,
-                    "tokens_per_s_measured": sum(admitted) / sum(steps_s)}
+                    "tokens_per_s_measured": sum(tot["admitted"][-len(secs):]) / sum(steps_s)}
+    per = lambda key: tot[key] / n * 1e3  # noqa: E731  ms per measured step
+    rate = lambda key: tot["tokens"] / max(1e-12, tot[key])  # noqa: E731
     return {**measured,
-        "concurrency": concurrency, "policy": policy,
-        "admitted_mean": float(np.mean(tot["admitted"])) if tot["admitted"] else 0.0,
-        "admitted_max": int(max(tot["admitted"], default=0)), "steps": tot["steps"],
-        "gpu_hit_rate": tot["hit"] / max(1, tot["acc"]),
-        "h2d_mb_per_step": tot["h2d"] / s / 1e6, "d2h_mb_per_step": tot["d2h"] / s / 1e6,
-        "pcie_mb_per_step": (tot["h2d"] + tot["d2h"]) / s / 1e6,
-        "control_ms": tot["ctl"] / s * 1e3, "pcie_ms": tot["pcie"] / s * 1e3,
-        "attn_ms": tot["attn"] / s * 1e3, "step_ms": tot["step"] / s * 1e3,
-        "tokens_per_s": tot["tokens"] / max(1e-12, tot["step"]),
-        "cpu_ctl_ms_per_step": tot["cpu"] / s * 1e3, "overflow": tot["overflow"],
-        "finished": tot["finished"],
-        "ula_launches_per_step": tot["launches"] / s if ula is not None else 0.0,
-        "step_ms_other_path": tot["step_other"] / s * 1e3,
-        "tokens_per_s_other_path": tot["tokens"] / max(1e-12, tot["step_other"]),
-        # bound: every transfer hidden behind compute (no policy here prefetches; see docs)
-        "tokens_per_s_pcie_hidden": tot["tokens"] / max(1e-12, tot["step"] - tot["pcie"]),
-    }
+            "concurrency": concurrency, "policy": policy,
+            "gpu_rows": cfg.gpu_rows * s, "host_rows": cfg.host_rows * s,
+            "admitted_mean": float(np.mean(tot["admitted"])) if tot["admitted"] else 0.0,
+            "admitted_max": int(max(tot["admitted"], default=0)), "steps": tot["steps"],
+            "gpu_hit_rate": tot["hit"] / max(1, tot["acc"]),
+            "h2d_mb_per_step": tot["h2d"] / n / 1e6, "d2h_mb_per_step": tot["d2h"] / n / 1e6,
+            "control_ms": per("ctl"), "attn_ms": per("attn"), "other_ms": per("other"),
+            "pcie_serial_ms": (tot["h2d"] + tot["d2h"]) / n / (cfg.pcie_gbs * 1e9) * 1e3,
+            "pcie_duplex_ms": per("pcie_dx"),
+            "step_ms": per("serial"), "tokens_per_s": rate("serial"),
+            "tokens_per_s_duplex": rate("duplex"), "tokens_per_s_overlap": rate("overlap"),
+            "cpu_ctl_ms_per_step": per("cpu"), "overflow": tot["overflow"],
+            "finished": tot["finished"], "retracted": tot["retracted"],
+            "ula_launches_per_step": tot["launches"] / n if ula is not None else 0.0,
+            "tokens_per_s_other_path": rate("other_path")}
 
 
-def sweep(cfg: Config, levels: list[int], requests: list[Request], model: LocalityModel,
-          policies=POLICIES, progress: bool = True) -> dict:
-    counts = launch_counts(cfg) if "ulacache" in policies else {}
-    cfg = timed_path(cfg, counts)
-    for path, c in counts.items():
-        logger.info("ulacache launches on the %s path: %s", path, c)
-    jobs = [(c, p) for c in levels for p in policies]
-    bar = tqdm(jobs, desc="decode sweep", disable=not progress) if tqdm else jobs
-    rows = []
-    for c, p in bar:
+# -- equal bytes, tuning, seeds ----------------------------------------------------------------
+ACTIVE_PARAMS_B = {"dsv32": 37.0, "glm5": 40.0}  # activated parameters per token (model cards)
+SYSTEMS = ("ulacache", "hisparse", "resident")
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """One system's knobs: HiSparse ``device_buffer_size`` H and ``host_to_device_ratio`` x;
+    ulacache ``cpu_ratio`` c; resident none."""
+
+    system: str
+    ratio: int = 0
+    h_slots: int = 0
+
+    @property
+    def label(self) -> str:
+        if self.system == "hisparse":
+            return f"hisparse H={self.h_slots} x={self.ratio}"
+        return f"ulacache c={self.ratio}" if self.system == "ulacache" else "resident"
+
+
+def budget_inputs(platform: str, model: str, h_slots: int = 4096) -> capacity.Inputs:
+    """Per-GPU budgets of :mod:`ulacache.tools.capacity` (what SGLang's sizing charges):
+    ``static - weights`` of device memory for KV, the platform's host memory for the tier."""
+    p = capacity.PLATFORMS[platform]
+    return capacity.Inputs(model, "fp8", platform,
+                           int((p.static_gb - capacity.WEIGHTS_GB[model]) * capacity.GB),
+                           int(p.host_gb * capacity.GB), device_buffer=h_slots)
+
+
+def equal_bytes(base: Config, platform: str, model: str, tuning: Tuning, level: int
+                ) -> tuple[Config, dict]:
+    """The launch of ``tuning`` on one GPU's budget, at full size, and what it charges: the
+    pools SGLang's configurator gives each system from the same device and host bytes (index-K
+    of every logical token and ulacache's tables and output rows for ``level`` requests
+    included; :mod:`ulacache.tools.capacity`), and HiSparse's uncharged device maps beside."""
+    inp = budget_inputs(platform, model, tuning.h_slots or 4096)
+    geo = dict(k=inp.top_k, layers=inp.layers, row_bytes=inp.row,
+               weights_gb=capacity.WEIGHTS_GB[model], active_params_b=ACTIVE_PARAMS_B[model])
+    if tuning.system == "hisparse":
+        g = capacity.hisparse_pool(inp, tuning.ratio)
+        cfg = replace(base, **geo, gpu_rows=g, host_rows=tuning.ratio * g,
+                      h_slots=tuning.h_slots)
+        extra = capacity.uncharged(inp, "hisparse_dp", tuning.ratio, g)
+    elif tuning.system == "ulacache":
+        g = capacity.ulacache_dp_pool(inp, tuning.ratio, running=level)
+        cfg = replace(base, **geo, gpu_rows=g, host_rows=tuning.ratio * g)
+        extra = capacity.uncharged(replace(inp, running=level), "ulacache_dp", tuning.ratio, g)
+    else:
+        g = capacity.resident_pool(inp)
+        cfg = replace(base, **geo, gpu_rows=g, host_rows=0)
+        extra = None
+    return cfg, {"kv_bytes": inp.kv_bytes, "host_bytes": inp.host_bytes,
+                 "uncharged_gpu_bytes": (extra or {}).get("total", 0)}
+
+
+def level_rows(tuning: Tuning, base: Config, platform: str, model: str, levels: list[int],
+               requests: list[Request], model_loc: LocalityModel, counts: dict, seed: int,
+               caches: tuple[SelectionCache, HiSparseCache]) -> list[dict]:
+    """Every concurrency level of one tuning and seed, lowest first; stops after the first
+    level whose admission never reached it (memory binds: higher limits admit no more)."""
+    out = []
+    for level in levels:
+        full, charge = equal_bytes(base, platform, model, tuning, level)
+        cfg = replace(full.scaled(base.scale), seed=seed)
+        why = level_refused(tuning.system, cfg, level)
+        if why:
+            logger.info("%s: %s", tuning.label, why)
+            break
         t0 = time.perf_counter()
-        rows.append(run_level(p, c, cfg, requests, model, counts))
-        logger.info("concurrency %d %s: %.1f s", c, p, time.perf_counter() - t0)
-    peak = {p: max((r["tokens_per_s"] for r in rows if r["policy"] == p), default=0.0)
-            for p in policies}
+        row = run_level(tuning.system, level, cfg, requests, model_loc, counts, *caches)
+        row.update(tuning=tuning.label, seed=seed, **charge)
+        logger.info("%s level %d seed %d: %.0f tok/s (%.1f s)", tuning.label, level, seed,
+                    row["tokens_per_s"], time.perf_counter() - t0)
+        out.append(row)
+        if row["admitted_max"] < level:
+            break
+    return out
+
+
+def peak(rows: list[dict], key: str = "tokens_per_s") -> float:
+    return max((r[key] for r in rows), default=0.0)
+
+
+METRICS = ("tokens_per_s", "tokens_per_s_duplex", "tokens_per_s_overlap")
+
+
+def fair_sweep(base: Config, platform: str, model: str, levels: list[int],
+               requests: list[Request], model_loc: LocalityModel, grids: dict[str, list[Tuning]],
+               seeds: int, progress: bool = True) -> dict:
+    """Each system tuned for its best serial-PCIe peak on seed 0 (every tuning x level), then
+    its best tuning on seeds ``1 .. seeds - 1``; the peak ratios per seed and their spread."""
+    counts = launch_counts(base) if "ulacache" in grids else {}
+    base = timed_path(base, counts)
+    rows: list[dict] = []
+    jobs = [(0, t) for ts in grids.values() for t in ts]
+    bar = tqdm(total=len(jobs) + (seeds - 1) * len(grids), desc="decode sweep",
+               disable=not progress) if tqdm else None
+    caches = {0: _caches(model_loc, base, 0)}
+    by_tuning: dict[Tuning, list[dict]] = {}
+    for seed, t in jobs:
+        by_tuning[t] = level_rows(t, base, platform, model, levels, requests, model_loc, counts,
+                                  seed, caches[seed])
+        rows += by_tuning[t]
+        if bar:
+            bar.update()
+    best = {s: max(ts, key=lambda t: peak(by_tuning[t])) for s, ts in grids.items()}
+    peaks = {s: [{m: peak(by_tuning[best[s]], m) for m in METRICS}] for s in grids}
+    for seed in range(1, seeds):
+        caches[seed] = _caches(model_loc, base, seed)
+        caches.pop(seed - 1, None)  # one seed's selections in memory at a time
+        for s, t in best.items():
+            got = level_rows(t, base, platform, model, levels, requests, model_loc, counts,
+                             seed, caches[seed])
+            rows += got
+            peaks[s].append({m: peak(got, m) for m in METRICS})
+            if bar:
+                bar.update()
+    if bar:
+        bar.close()
     ratios = {}
-    if cfg.real_rows:  # measured: one layer of real rows per step, x layers + the fixed time
-        meas = {p: max((r["tokens_per_s_measured"] for r in rows if r["policy"] == p),
-                       default=0.0) for p in policies}
+    for other in ("hisparse", "resident"):
+        if "ulacache" in peaks and other in peaks:
+            for m in METRICS:
+                per_seed = [a[m] / b[m] if b[m] else 0.0
+                            for a, b in zip(peaks["ulacache"], peaks[other])]
+                ratios[f"ulacache/{other} {m}"] = {"mean": float(np.mean(per_seed)),
+                                                   "min": min(per_seed), "max": max(per_seed),
+                                                   "per_seed": per_seed}
+    if base.real_rows:  # one layer of real rows measured (bench/device_summary.py reads it)
+        meas = {s: peak(by_tuning[t], "tokens_per_s_measured") for s, t in best.items()}
         for other in ("hisparse", "resident"):
             if meas.get("ulacache") and meas.get(other):
                 ratios[f"measured ulacache/{other}"] = meas["ulacache"] / meas[other]
-    if "ulacache" in peak:
-        for other in ("hisparse", "resident"):
-            if peak.get(other):
-                ratios[f"ulacache/{other}"] = peak["ulacache"] / peak[other]
-    hidden = {p: max((r["tokens_per_s_pcie_hidden"] for r in rows if r["policy"] == p),
-                     default=0.0) for p in policies}
-    if "ulacache" in hidden:  # an upper bound, for both policies alike (see the column)
-        for other in ("hisparse", "resident"):
-            if hidden.get(other):
-                ratios[f"ulacache_pcie_hidden/{other}"] = hidden["ulacache"] / hidden[other]
-    if "ulacache" in peak and len(counts) > 1:  # timed with the other path's launch counts
-        alt = max(r["tokens_per_s_other_path"] for r in rows if r["policy"] == "ulacache")
-        for other in ("hisparse", "resident"):
-            if peak.get(other):
-                ratios[f"ulacache_other_path/{other}"] = alt / peak[other]
-    return {"config": asdict(cfg), "locality": model.to_dict(), "levels": levels, "rows": rows,
-            "peak_tokens_per_s": peak, "peak_ratios": ratios, "ula_launch_counts": counts}
+    tunings = [{"tuning": t.label, "system": t.system,
+                "peak_tokens_per_s": peak(r), "best": best[t.system] == t,
+                "gpu_rows": r[0]["gpu_rows"] if r else 0,
+                "host_rows": r[0]["host_rows"] if r else 0,
+                "max_admitted": max((x["admitted_max"] for x in r), default=0),
+                "uncharged_gpu_bytes": r[0]["uncharged_gpu_bytes"] if r else 0}
+               for t, r in by_tuning.items()]
+    return {"config": asdict(base), "platform": platform, "model": model, "levels": levels,
+            "seeds": seeds, "locality": model_loc.to_dict(), "rows": rows,
+            "tunings": tunings, "best": {s: t.label for s, t in best.items()},
+            "peaks": peaks, "peak_ratios": ratios, "ula_launch_counts": counts}
+
+
+def _caches(model_loc: LocalityModel, cfg: Config, seed: int
+            ) -> tuple[SelectionCache, HiSparseCache]:
+    sel = SelectionCache(model_loc, cfg.k // cfg.scale, seed)
+    return sel, HiSparseCache(sel)
+
+
+def scaled_requests(requests: list[Request], s: int) -> list[Request]:
+    """Every request's lengths divided by ``s`` (at least 1 token each)."""
+    return [replace(r, input_len=max(1, r.input_len // s), output_len=max(1, r.output_len // s))
+            for r in requests] if s > 1 else requests
 
 
 # -- output -------------------------------------------------------------------------------
+ASSUMPTIONS = [
+    ("Pools from one per-GPU byte budget (ulacache.tools.capacity: latent, index-K of every "
+     "logical token, ulacache's tables and output rows, HiSparse's cell)", "neither: equal bytes"
+     "; HiSparse's uncharged maps (printed) come out of the headroom, which favours HiSparse"),
+    ("Each side tuned on seed 0 (HiSparse H and x, ulacache c), its best tuning rerun on the "
+     "other seeds", "neither"),
+    ("Admission: SGLang 0.5.23's prefill budget and decode-room check for both (new-token ratio "
+     "0.7 decaying to 0.098 over 600 steps, reset by a retraction); a retracted request "
+     "re-queues with its progress and its re-prefill is not timed (the `retracted` column "
+     "counts them)", "whoever retracts more, since its re-prefills are free here"),
+    ("Prefill is not timed, and neither is its traffic (HiSparse's staging backup, ulacache's "
+     "spills while a prompt is placed)", "neither clearly: both move about one prompt's rows"),
+    ("PCIe serial (H2D + D2H) / 50 GB/s is the headline; duplex max(H2D, D2H) is printed, not "
+     "claimed: bench/device_check.sh has not measured duplex swap_rows", "HiSparse "
+     "(its D2H is one backup row per request; ulacache writes back "
+     "evicted rows)"),
+    ("Overlap bound max(compute, PCIe): every transfer hidden behind compute, for both alike; "
+     "nothing here prefetches", "ulacache, whose PCIe share is larger"),
+    ("Step = control (2 us per counted launch) + sparse-MLA roofline + non-attention roofline "
+     "max(weights / HBM, batch x 2 x active params / 400 TFLOP/s)", "neither: the same model "
+     "for both; a batch-dependent term penalises whoever admits more"),
+    ("Selections: the locality generator calibrated on the real SmolLM2 trace, one stream per "
+     "request; one layer stands for all", "neither: identical selections for both"),
+    ("--scale s divides k, H, the page, every pool and every request's lengths by s (bytes and "
+     "attention rows multiplied back); a new token is then s x a larger share of a step's "
+     "selections", "HiSparse slightly: its one backup row per request per step is a larger "
+     "share of its D2H, ulacache's new rows a larger share of its spills; both grow"),
+]
+
+
 def markdown(res: dict) -> str:
-    cfg = res["config"]
-    loc = res["locality"]
+    cfg, spread = res["config"], res["peak_ratios"]
     lines = [
-        f"Decode sweep (simulation + cost model): k={cfg['k']}, {cfg['layers']} layers, "
-        f"{cfg['row_bytes']} B rows, budget G={cfg['gpu_rows']:,} GPU + {cfg['host_rows']:,} host "
-        f"rows per layer, {cfg['steps']} steps per level, PCIe {cfg['pcie_gbs']} GB/s, "
-        f"control plane: {cfg['control']}",
+        f"Decode sweep at equal bytes (simulation + cost model, not a GPU measurement): "
+        f"{res['model']} on one {res['platform'].upper()} of a DP8 launch, k={cfg['k']}, "
+        f"{cfg['layers']} layers, {cfg['row_bytes']} B rows, {cfg['warmup']} + {cfg['steps']} "
+        f"steps per level (the last {cfg['steps']} measured), {res['seeds']} seeds, scale "
+        f"1/{cfg['scale']}, PCIe {cfg['pcie_gbs']} GB/s",
         "",
-        f"Locality (calibrated on the real trace): recent share {loc['recent_share']:.3f} "
-        f"(window {loc['window_ratio']} x k), sink {loc['sink_prob']:.3f}, overlap target "
-        f"{loc['overlap']:.3f} (keep prob {loc['keep_prob']:.3f})",
+        "Tunings (seed 0; pools per GPU at full size, peak serial tokens/s over the levels; "
+        "uncharged: device bytes SGLang's sizing does not charge, out of the headroom):",
         "",
-        "| concurrency | policy | admitted (mean/max) | GPU hit | PCIe MB/step | step ms "
-        "(ctl + pcie + attn) | tokens/s |",
-        "|---:|---|---:|---:|---:|---:|---:|",
+        "| tuning | GPU rows | host rows | admitted max | peak tokens/s | uncharged GB |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
+    for t in res["tunings"]:
+        mark = " **(best)**" if t["best"] else ""
+        lines.append(f"| {t['tuning']}{mark} | {t['gpu_rows']:,} | {t['host_rows']:,} | "
+                     f"{t['max_admitted']} | {t['peak_tokens_per_s']:,.0f} | "
+                     f"{t['uncharged_gpu_bytes'] / 1e9:.2f} |")
+    lines += ["", "Best tunings, per level (seed 0):", "",
+              "| level | tuning | admitted | GPU hit | H2D / D2H MB | step ms (ctl + attn + other "
+              "+ PCIe serial) | tok/s serial | duplex | overlap |",
+              "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    best = set(res["best"].values())
     for r in res["rows"]:
-        lines.append(
-            f"| {r['concurrency']} | {r['policy']} | {r['admitted_mean']:.1f} / "
-            f"{r['admitted_max']} | {r['gpu_hit_rate']:.4f} | {r['pcie_mb_per_step']:.1f} | "
-            f"{r['step_ms']:.2f} ({r['control_ms']:.2f} + {r['pcie_ms']:.2f} + "
-            f"{r['attn_ms']:.2f}) | {r['tokens_per_s']:,.0f} |")
-    lines.append("")
-    peak = ", ".join(f"{p} {v:,.0f}" for p, v in res["peak_tokens_per_s"].items())
-    lines.append(f"Peak decode tokens/s: {peak}")
-    rat = ", ".join(f"{k} x{v:.2f}" for k, v in res["peak_ratios"].items()
-                    if "_" not in k.split("/")[0] and not k.startswith("measured"))
-    lines.append(f"Peak-throughput ratios: {rat}")
-    hid = ", ".join(f"{k.split('/')[1]} x{v:.2f}" for k, v in res["peak_ratios"].items()
-                    if k.startswith("ulacache_pcie_hidden"))
-    if hid:
-        lines.append(f"Bound if every PCIe transfer hid behind compute, for every policy alike "
-                     f"(nothing here prefetches; lookahead prefetch is not built): ulacache/{hid}")
-    if cfg.get("real_rows"):
-        lines += ["", f"Measured with real rows on {cfg['device']} (one layer of "
-                  f"{cfg['row_bytes']} B rows per step: ulacache's real access, HiSparse's data "
-                  "movement with its decisions modelled, torch sparse-MLA stand-in; x layers + "
-                  "other ms; the first 2 steps of a level are warm-up):", "",
-                  "| concurrency | policy | layer ms | tokens/s |", "|---:|---|---:|---:|"]
-        lines += [f"| {r['concurrency']} | {r['policy']} | {r['measured_layer_ms']:.3f} | "
-                  f"{r['tokens_per_s_measured']:,.0f} |" for r in res["rows"]]
-        mr = ", ".join(f"{k.split(' ')[1]} x{v:.2f}" for k, v in res["peak_ratios"].items()
-                       if k.startswith("measured"))
-        lines += ["", f"Measured peak ratios: {mr}"]
+        if r["seed"] == 0 and r["tuning"] in best:
+            lines.append(
+                f"| {r['concurrency']} | {r['tuning']} | {r['admitted_mean']:.1f} | "
+                f"{r['gpu_hit_rate']:.3f} | {r['h2d_mb_per_step']:.0f} / "
+                f"{r['d2h_mb_per_step']:.0f} | {r['step_ms']:.1f} ({r['control_ms']:.1f} + "
+                f"{r['attn_ms']:.1f} + {r['other_ms']:.1f} + {r['pcie_serial_ms']:.1f}) | "
+                f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s_duplex']:,.0f} | "
+                f"{r['tokens_per_s_overlap']:,.0f} |")
+    lines += ["", "Peak ratios over seeds (mean, min - max):", ""]
+    names = {"tokens_per_s": "serial PCIe (headline)",
+             "tokens_per_s_duplex": "duplex PCIe (not measured: not claimed)",
+             "tokens_per_s_overlap": "overlap bound max(compute, PCIe)"}
+    for key, v in spread.items():
+        if key.startswith("measured"):
+            lines.append(f"- {key} (one layer of real rows on {cfg['device']}): x{v:.2f}")
+            continue
+        pair, metric = key.split(" ")
+        lines.append(f"- {pair}, {names[metric]}: x{v['mean']:.2f} ({v['min']:.2f} - "
+                     f"{v['max']:.2f})")
+    lines += ["", "Assumptions, and whom each favours:", ""]
+    lines += [f"- {a}. Favours: {who}." for a, who in ASSUMPTIONS]
     counts = res.get("ula_launch_counts") or {}
     if counts:
-        path = cfg["ula_path"]
-        other = next((p for p in counts if p != path), None)
-
-        def desc(c: dict) -> str:
-            return (f"round start {c['round']} (all {cfg['layers']} groups), per group: place "
-                    f"{c['place']}, access {c['access']}, release {c['release']}"
-                    + (f"; {c['syncs']} host-syncing ops" if c["syncs"] else ""))
-
-        lines.append(f"ulacache control plane, {path} path (counted on the real core, "
-                     f"{cfg['launch_us']} us per launch): {desc(counts[path])}")
-        alt = ", ".join(f"{k.split('/')[1]} x{v:.2f}" for k, v in res["peak_ratios"].items()
-                        if k.startswith("ulacache_other_path"))
-        if other:
-            lines.append(f"The same sweep on the {other} path ({desc(counts[other])}): "
-                         f"ulacache/{alt}")
-        else:
-            lines.append("The fused path's launches were not counted (Triton is not "
-                         "installed: pip install 'ulacache[cuda]').")
+        c = counts.get(cfg["ula_path"]) or next(iter(counts.values()))
+        lines += ["", f"ulacache control plane, {cfg['ula_path']} path (counted on the real "
+                  f"core): round start {c['round']}, per group place {c['place']}, access "
+                  f"{c['access']}, release {c['release']}"]
+        if "fused" not in counts:
+            lines.append("The fused path's launches were not counted (Triton is not installed: "
+                         "pip install 'ulacache[cuda]').")
     return "\n".join(lines) + "\n"
 
 
@@ -650,7 +794,7 @@ def write_outputs(res: dict, out: Path, png: bool = True) -> dict[str, str]:
         w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
         w.writeheader()
         for r in res["rows"]:
-            w.writerow({c: r[c] for c in CSV_COLUMNS})
+            w.writerow({c: r.get(c, "") for c in CSV_COLUMNS})
     Path(paths["md"]).write_text(markdown(res))
     if png:
         try:
@@ -660,21 +804,20 @@ def write_outputs(res: dict, out: Path, png: bool = True) -> dict[str, str]:
             import matplotlib.pyplot as plt
         except ImportError:  # pragma: no cover
             return paths
-        fig, axes = plt.subplots(1, 4, figsize=(18, 4))
-        metrics = (("tokens_per_s", "decode tokens/s"), ("gpu_hit_rate", "GPU hit rate"),
-                   ("pcie_mb_per_step", "PCIe MB/step"), ("admitted_mean", "admitted (mean)"))
+        fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+        best = set(res["best"].values())
+        metrics = (("tokens_per_s", "decode tokens/s (serial PCIe)"),
+                   ("gpu_hit_rate", "GPU hit rate"), ("admitted_mean", "admitted (mean)"))
         for ax, (key, label) in zip(axes, metrics):
-            for p in POLICIES:
-                rows = [r for r in res["rows"] if r["policy"] == p]
-                if rows:
-                    ax.plot([r["concurrency"] for r in rows], [r[key] for r in rows], "o-",
-                            label=p)
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("concurrency limit")
+            for t in sorted(best):
+                rows = [r for r in res["rows"] if r["tuning"] == t and r["seed"] == 0]
+                ax.plot([r["concurrency"] for r in rows], [r[key] for r in rows], "o-", label=t)
+            ax.set_xlabel("--max-running-requests")
             ax.set_title(label)
             ax.grid(alpha=0.3)
         axes[0].legend()
-        fig.suptitle("decode sweep (simulation + cost model, equal memory budget)")
+        fig.suptitle(f"decode sweep at equal bytes, {res['model']} on {res['platform']} "
+                     "(simulation + cost model; best tunings, seed 0)")
         fig.tight_layout()
         paths["png"] = str(out / "decode_sweep.png")
         fig.savefig(paths["png"], dpi=100)
@@ -682,28 +825,47 @@ def write_outputs(res: dict, out: Path, png: bool = True) -> dict[str, str]:
     return paths
 
 
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
 def main(argv: list[str] | None = None) -> int:
     d = Config()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--levels", default="8,16,32,64,96,128", help="concurrency limits")
-    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--platform", choices=sorted(capacity.PLATFORMS), default="h200")
+    ap.add_argument("--model", choices=sorted(capacity.MODELS), default="dsv32")
+    ap.add_argument("--levels", default="32,64,96,128,160,192,256",
+                    help="--max-running-requests per GPU to try, lowest first")
+    ap.add_argument("--policies", default=",".join(SYSTEMS))
+    ap.add_argument("--hs-buffers", default="2560,3072,4096",
+                    help="HiSparse device_buffer_size values to tune over")
+    ap.add_argument("--hs-ratios", default="2,3,4,6,8",
+                    help="HiSparse host_to_device_ratio values to tune over")
+    ap.add_argument("--ula-ratios", default="2,3,4,6,8",
+                    help="ulacache cpu_ratio values to tune over")
+    ap.add_argument("--no-tune", action="store_true",
+                    help="use the first value of each tuning list only")
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--scale", type=int, default=8,
+                    help="simulate at 1/s size (k, H, page, pools, lengths); 1 = full size")
     ap.add_argument("--requests", type=int, default=2000, help="first N Mooncake requests")
     ap.add_argument("--mooncake", default=str(MOONCAKE))
     ap.add_argument("--trace", default=str(TRACE), help="selection trace for calibration")
     ap.add_argument("--arrival-speedup", type=float, default=100.0)
     ap.add_argument("--max-input", type=int, default=None, help="cap input lengths")
     ap.add_argument("--max-output", type=int, default=None, help="cap output lengths")
-    for name in ("k", "layers", "row_bytes", "gpu_rows", "host_rows", "h_slots", "buckets",
-                 "steps", "hs_launches", "heads", "d_qk", "d_v", "seed"):
+    for name in ("buckets", "steps", "warmup", "hs_launches", "heads", "d_qk", "d_v"):
         ap.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
-    for name in ("pcie_gbs", "launch_us", "attn_tflops", "hbm_tbs", "other_ms"):
+    for name in ("pcie_gbs", "launch_us", "attn_tflops", "hbm_tbs", "mlp_tflops"):
         ap.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
+    ap.add_argument("--other-ms", type=float, default=None,
+                    help="fixed non-attention ms per step (default: the roofline model)")
     ap.add_argument("--control", choices=("launch", "measured"), default=d.control)
     ap.add_argument("--ula-path", choices=("fused", "torch"), default=d.ula_path,
                     help="whose counted launches time ulacache's steps (the other is reported)")
     ap.add_argument("--real-rows", action="store_true",
                     help="also move and read one layer of real rows per step, timed "
-                         "(bench/decode_rows.py; GLM-5-shaped FP8 rows; meant for a GPU)")
+                         "(bench/decode_rows.py; meant for a GPU; use with --no-tune)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     help="device of --real-rows")
     ap.add_argument("--out", default=None, help="output dir (default: a new temp dir)")
@@ -713,22 +875,31 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING if a.quiet else logging.INFO,
                         format="%(name)s %(message)s", stream=sys.stderr)
-    levels = [int(x) for x in a.levels.split(",") if x]
-    policies = tuple(p for p in a.policies.split(",") if p)
-    if not levels or min(levels) < 1:
-        ap.error("--levels must be positive integers")
-    if any(p not in POLICIES for p in policies):
-        ap.error(f"--policies must be among {POLICIES}")
-    cfg = Config(**{f: getattr(a, f) for f in Config.__dataclass_fields__})
-    if cfg.h_slots < cfg.k:
-        ap.error("--h-slots must be >= --k")
+    try:
+        levels, policies = _ints(a.levels), tuple(p for p in a.policies.split(",") if p)
+        grids = {"hisparse": [Tuning("hisparse", x, h) for h in _ints(a.hs_buffers)
+                              for x in _ints(a.hs_ratios)],
+                 "ulacache": [Tuning("ulacache", c) for c in _ints(a.ula_ratios)],
+                 "resident": [Tuning("resident")]}
+    except ValueError as e:
+        ap.error(f"lists are comma-separated integers: {e}")
+    if not levels or min(levels) < 1 or a.seeds < 1 or a.scale < 1 or a.steps < 1:
+        ap.error("--levels, --seeds, --scale and --steps must be positive")
+    if any(p not in SYSTEMS for p in policies):
+        ap.error(f"--policies must be among {SYSTEMS}")
+    if any(not g for g in grids.values()):
+        ap.error("every tuning list needs at least one value")
+    grids = {p: (g[:1] if a.no_tune else g) for p, g in grids.items() if p in policies}
+    cfg = Config(**{f: getattr(a, f) for f in Config.__dataclass_fields__
+                    if hasattr(a, f) and f not in ("k", "layers", "row_bytes")})
+    if any(t.h_slots < cfg.k for t in grids.get("hisparse", [])):
+        ap.error(f"--hs-buffers must be >= top-k ({cfg.k})")
     t0 = time.perf_counter()
-    model = calibrate(load_trace(a.trace), seed=cfg.seed)
-    logger.info("calibrated in %.1f s: %s", time.perf_counter() - t0,
-                {k: round(v, 4) for k, v in model.to_dict().items() if isinstance(v, float)})
-    reqs = load_requests(Path(a.mooncake), a.requests, a.arrival_speedup, a.max_input,
-                         a.max_output)
-    res = sweep(cfg, levels, reqs, model, policies, progress=not a.quiet and not a.json)
+    model = calibrate(load_trace(a.trace), seed=0)
+    reqs = scaled_requests(load_requests(Path(a.mooncake), a.requests, a.arrival_speedup,
+                                         a.max_input, a.max_output), a.scale)
+    res = fair_sweep(cfg, a.platform, a.model, levels, reqs, model, grids, a.seeds,
+                     progress=not a.quiet and not a.json)
     res["wall_s"] = time.perf_counter() - t0
     out = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="decode_sweep-"))
     res["files"] = write_outputs(res, out, png=not a.no_png)

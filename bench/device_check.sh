@@ -10,7 +10,7 @@
 #    results, time ratio, access / data-movement; graph-captured),
 # 4. bench/hisparse_head_to_head.py --quick (when SGLang's kernel sources are carried; its
 #    ulacache side runs the fused path, the default on CUDA),
-# 5. bench/decode_sweep.py --real-rows (concurrency 72 and 128, 24 steps: one layer of real
+# 5. bench/decode_sweep.py --real-rows (concurrency 64 and 128, 16 steps: one layer of real
 #    FP8 rows per step through ulacache's fused access, HiSparse's data movement and a torch
 #    sparse-MLA stand-in, timed; measured peak ratios),
 # 6. a short summary table (bench/device_summary.py), printed last, with the targets marked; a
@@ -115,12 +115,13 @@ timeout "${H2H_TIMEOUT:-90}" "$PY" bench/hisparse_head_to_head.py --quick --json
 H2H_RC=$?
 tail -n 25 "$LOGDIR/hisparse_h2h.log"
 
-# The decode sweep with real rows (issue 11): two concurrency levels around HiSparse's
-# device-buffer cap, a few steps each; the full sweep is `python bench/decode_sweep.py
-# --real-rows` (minutes).
-echo "== bench/decode_sweep.py --real-rows --levels 72,128 --steps 24"
-timeout "${SWEEP_TIMEOUT:-60}" "$PY" bench/decode_sweep.py --real-rows --levels 72,128 \
-    --steps 24 --no-png --quiet --json --out "$LOGDIR/decode_sweep" \
+# The decode sweep with real rows (issue 11): the CPU default's best tunings (HiSparse H=4096
+# x=4, ulacache c=2, docs/results.md) at full size, two levels around HiSparse's admission cap,
+# a few steps each; the full sweep is `python bench/decode_sweep.py` (tuning, 3 seeds).
+echo "== bench/decode_sweep.py --real-rows --scale 1 --levels 64,128 --steps 16"
+timeout "${SWEEP_TIMEOUT:-90}" "$PY" bench/decode_sweep.py --real-rows --scale 1 --seeds 1 \
+    --hs-buffers 4096 --hs-ratios 4 --ula-ratios 2 --levels 64,128 --steps 16 --warmup 4 \
+    --no-png --quiet --json --out "$LOGDIR/decode_sweep" \
     > "$LOGDIR/decode_sweep.json" 2> "$LOGDIR/decode_sweep.log"
 SWEEP_RC=$?
 tail -n 8 "$LOGDIR/decode_sweep.log"

@@ -13,8 +13,9 @@ the real code, on the ``meta`` device (tensors with shapes and no memory) under 
    mode: every rank of the attention-TP group, each in its own thread over in-process peers on
    the meta device, so every collective runs);
 4. the worst-case calls SGLang makes: the largest chunked prefill (its ``[1, T x top_k]``
-   page table through every layer: an access of its distinct addresses, then a translation), a full decode batch, a speculative verify
-   batch (with draft tokens), a finish and an abort.
+   page table through every layer: an access of its distinct addresses, then a
+   translation), a full decode batch, a speculative verify batch (with draft tokens), a
+   finish and an abort.
 
 Per GPU it reports SGLang's budget, what the sizing hook charged, every allocation ulacache made
 at start-up (by owner and name), the transient peak of each call above that, and the headroom
