@@ -92,3 +92,23 @@ def test_chunked_pass_matches_sdpa_pass(model):
     ref = model.forward(ids, logits="all")
     got = model.forward(ids, select_k=8, logits="all", chunk=32)
     torch.testing.assert_close(got.logits, ref.logits, rtol=1e-3, atol=1e-3)
+
+
+def test_draft_branches_equal_a_pass_over_the_prefix_and_the_draft(model):
+    """``forward(draft_ids=...)`` runs every draft token as a branch at ``t + 1`` over the true
+    prefix: its selections equal a causal pass over ``ids[:t + 1] + [draft]``, wrong drafts and
+    right ones alike; rows without a draft are -1."""
+    ids = model.tokenize(_gpl3_text())[:120]
+    gen = torch.Generator().manual_seed(0)
+    drafts = torch.tensor(ids[1:] + [ids[0]])  # the true next tokens ...
+    drafts[::3] = torch.randint(0, model.config.vocab_size, drafts[::3].shape, generator=gen)
+    drafts[7] = -1
+    out = model.forward(ids, select_k=16, logits="none", draft_ids=drafts, chunk=48)
+    for t in (0, 3, 10, 11, 47, 48, 99, 118):
+        ref = model.forward(ids[:t + 1] + [int(drafts[t])], select_k=16, logits="none")
+        for layer in range(model.config.n_layers):
+            assert torch.equal(out.draft_selections[layer][t], ref.selections[layer][t + 1]), \
+                (t, layer)
+    assert all(bool((d[7] == -1).all()) for d in out.draft_selections)
+    with pytest.raises(ValueError, match="draft_ids needs select_k"):
+        model.forward(ids, draft_ids=drafts)

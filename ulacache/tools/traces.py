@@ -8,12 +8,20 @@ does), and the ``k`` best positions form that step's selection, shared by all he
 pass gives the same top-k as token-by-token decoding (checked: 99.997% of entries), so a trace of
 ``T`` steps costs one forward pass.
 
-File format ``ulacache-selection-trace`` version 1: a numpy ``.npz`` (no pickles) holding
+File format ``ulacache-selection-trace`` version 2: a numpy ``.npz`` (no pickles) holding
 
 - ``selections``: int32 ``[layers, steps, k]``, selected key positions per (layer, step), sorted
   ascending within a row, padded with -1 where the query has fewer than ``k`` keys;
 - ``positions``: int32 ``[steps]``, the query position of each step (strictly increasing);
+- ``draft_tokens``: int32 ``[steps]``, the token a prompt-lookup (n-gram) draft proposes to
+  follow the step's query position from the text so far (:func:`ngram_drafts`), ``-1``: none;
+- ``draft_accepted``: int8 ``[steps]``, 1 where the draft equals the text's next token (its
+  selection is then the next step's own);
+- ``draft_selections``: int32 ``[layers, steps, k]``, the top-k the draft token selects at the
+  next position (a speculative verify step would compute it), ``-1`` rows without a draft;
 - ``meta``: 0-d unicode array, a JSON object (see :func:`record_trace` for its keys).
+
+Version 1 files (no draft arrays) are read too; their :class:`Trace` has ``None`` draft fields.
 
 :func:`load_trace` turns every way a file can be unreadable or inconsistent (missing, empty,
 truncated, corrupt, not a zip, pickled arrays, malformed ``meta``, wrong dtypes or shapes,
@@ -43,7 +51,15 @@ from ulacache.pblru import POLICIES
 logger = logging.getLogger(__name__)
 
 FORMAT_NAME = "ulacache-selection-trace"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)  # version 1: no draft arrays
+DRAFT_ARRAYS = ("draft_tokens", "draft_accepted", "draft_selections")
+DRAFT_METHOD = (
+    "prompt lookup over the text so far: the most recent earlier occurrence of the last n "
+    "tokens (n = {max_n} .. 1, longest first) proposes the token that followed it; the draft "
+    "token is run at the next position over the true prefix (one batched branch per step, "
+    "SmolLM2.forward(draft_ids=...)) and its top-{k} recorded"
+)
 SCORE_METHOD = (
     "one causal fp32 pass of {model}; for query position t and layer l each key j<=t is scored by "
     "its softmax attention probability summed over all {heads} query heads; the top-{k} keys are "
@@ -74,12 +90,17 @@ class TraceMeta:
 class Trace:
     """A loaded trace.
 
-    ``selections`` int32 ``[layers, steps, k]``; ``positions`` int32 ``[steps]``.
+    ``selections`` int32 ``[layers, steps, k]``; ``positions`` int32 ``[steps]``; version 2:
+    ``draft_tokens`` int32 ``[steps]``, ``draft_accepted`` int8 ``[steps]`` and
+    ``draft_selections`` int32 ``[layers, steps, k]`` (see the module docstring), else None.
     """
 
     selections: np.ndarray
     positions: np.ndarray
     meta: TraceMeta
+    draft_tokens: np.ndarray | None = None
+    draft_accepted: np.ndarray | None = None
+    draft_selections: np.ndarray | None = None
 
     @property
     def layers(self) -> int:
@@ -190,8 +211,30 @@ def check_record_inputs(text_path: str, out_path: str, *, k: int = 64, max_token
     return text
 
 
+def ngram_drafts(ids: Sequence[int], max_n: int = 3) -> np.ndarray:
+    """Prompt-lookup drafts: ``int64 [T]``, entry ``t`` the token proposed to follow position
+    ``t`` from ``ids[:t + 1]`` alone: for ``n = max_n .. 1`` (longest first), the most recent
+    earlier occurrence of the last ``n`` tokens, ending at ``e < t``, proposes ``ids[e + 1]``;
+    ``-1`` when no suffix recurs. One pass, a dict per ``n``."""
+    ids = [int(x) for x in ids]
+    out = np.full(len(ids), -1, dtype=np.int64)
+    last: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n + 1)]
+    for t in range(len(ids)):
+        for n in range(max_n, 0, -1):
+            if t + 1 >= n:
+                e = last[n].get(tuple(ids[t + 1 - n: t + 1]))
+                if e is not None:
+                    out[t] = ids[e + 1]
+                    break
+        for n in range(1, max_n + 1):  # grams ending at t become visible to later positions
+            if t + 1 >= n:
+                last[n][tuple(ids[t + 1 - n: t + 1])] = t
+    return out
+
+
 def record_trace(text_path: str, out_path: str, *, max_tokens: int = 2048, k: int = 64,
-                 start: int | None = None, model=None, progress: bool = True) -> TraceMeta:
+                 start: int | None = None, model=None, progress: bool = True,
+                 draft_n: int = 3) -> TraceMeta:
     """Tokenize ``text_path``, run one causal pass and write a trace ``.npz`` to ``out_path``.
 
     ``max_tokens`` truncates the text; steps are query positions ``start .. n_tokens - 1`` with
@@ -214,12 +257,17 @@ def record_trace(text_path: str, out_path: str, *, max_tokens: int = 2048, k: in
         raise ValueError(f"text file {text_path} gives {n} tokens (max_tokens={max_tokens}): "
                          f"no step after start={start}; use a longer text or a smaller --start/--k")
     t0 = time.perf_counter()
-    out = model.forward(ids, select_k=k, logits="none")
+    drafts = ngram_drafts(ids, draft_n)
+    out = model.forward(ids, select_k=k, logits="none", draft_ids=drafts)
     if progress:
-        logger.info("causal pass over %d tokens with top-%d selection: %.1f s",
-                    n, k, time.perf_counter() - t0)
+        logger.info("causal pass over %d tokens with top-%d selection and %d draft branches: "
+                    "%.1f s", n, k, int((drafts >= 0).sum()), time.perf_counter() - t0)
     sel = torch.stack(out.selections)[:, start:, :].to(torch.int32).numpy()  # [L, S, k]
+    dsel = torch.stack(out.draft_selections)[:, start:, :].to(torch.int32).numpy()
     positions = np.arange(start, n, dtype=np.int32)
+    nxt = np.array(ids[start + 1:] + [-2], dtype=np.int64)  # the text's next token (none last)
+    dtok = drafts[start:].astype(np.int32)
+    accepted = ((dtok >= 0) & (dtok == nxt)).astype(np.int8)
     cfg = model.config
     meta = {
         "format": FORMAT_NAME,
@@ -236,6 +284,9 @@ def record_trace(text_path: str, out_path: str, *, max_tokens: int = 2048, k: in
         "steps": int(positions.size),
         "layers": cfg.n_layers,
         "score": SCORE_METHOD.format(model=MODEL_NAME, heads=cfg.n_heads, k=k),
+        "draft": DRAFT_METHOD.format(max_n=draft_n, k=k),
+        "draft_steps": int((dtok >= 0).sum()),
+        "draft_accepted": int(accepted.sum()),
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "ulacache_version": _ulacache_version(),
     }
@@ -243,7 +294,8 @@ def record_trace(text_path: str, out_path: str, *, max_tokens: int = 2048, k: in
     fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".ulacache-trace-", suffix=".npz")
     try:
         with os.fdopen(fd, "wb") as f:
-            np.savez_compressed(f, selections=sel, positions=positions,
+            np.savez_compressed(f, selections=sel, positions=positions, draft_tokens=dtok,
+                                draft_accepted=accepted, draft_selections=dsel,
                                 meta=np.array(json.dumps(meta, ensure_ascii=False)))
         os.replace(tmp, out_path)
     except BaseException:
@@ -268,9 +320,10 @@ def _parse_meta(meta: object, where: str = "trace") -> TraceMeta:
     if meta["format"] != FORMAT_NAME:
         raise TraceFormatError(f"{where}: not a {FORMAT_NAME} file (format={meta['format']!r})")
     version = meta["version"]
-    if isinstance(version, bool) or version != FORMAT_VERSION:
+    if isinstance(version, bool) or version not in READ_VERSIONS:
         raise TraceFormatError(
-            f"{where}: unsupported trace version {version!r} (this build reads {FORMAT_VERSION})")
+            f"{where}: unsupported trace version {version!r} (this build reads "
+            f"{', '.join(map(str, READ_VERSIONS))})")
     for key in _META_INTS:
         v = meta[key]
         if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v < 2**31:
@@ -294,8 +347,9 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg[:200]}"
 
 
-def _read_npz(path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The three arrays of a trace ``.npz``, or :class:`TraceFormatError` naming ``path``."""
+def _read_npz(path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    """The arrays of a trace ``.npz`` (selections, positions, meta, and the draft arrays
+    present), or :class:`TraceFormatError` naming ``path``."""
     if not os.path.exists(path):
         raise TraceFormatError(f"{path}: no such trace file")
     if os.path.isdir(path):
@@ -316,7 +370,8 @@ def _read_npz(path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             missing = {"selections", "positions", "meta"} - set(z.files)
             if missing:
                 raise TraceFormatError(f"{path}: missing arrays {sorted(missing)}")
-            return z["selections"], z["positions"], z["meta"]
+            drafts = {name: z[name] for name in DRAFT_ARRAYS if name in z.files}
+            return z["selections"], z["positions"], z["meta"], drafts
     except TraceFormatError:
         raise
     except _READ_ERRORS as e:
@@ -331,7 +386,7 @@ def load_trace(path: str | os.PathLike) -> Trace:
     path; no other exception escapes for bad file contents.
     """
     path = os.fspath(path)
-    sel, pos, meta_arr = _read_npz(path)
+    sel, pos, meta_arr, drafts = _read_npz(path)
     if meta_arr.shape != () or meta_arr.dtype.kind != "U":
         raise TraceFormatError(f"{path}: meta must be a 0-d unicode array holding JSON, got "
                                f"{meta_arr.dtype} of shape {meta_arr.shape}")
@@ -351,7 +406,26 @@ def load_trace(path: str | os.PathLike) -> Trace:
             f"{path}: positions must increase within [0, n_tokens={m.n_tokens})")
     if np.any(sel < -1) or np.any(sel > pos[None, :, None]):
         raise TraceFormatError(f"{path}: a selection is out of range (-1 or 0..query position)")
-    return Trace(sel, pos, m)
+    if m.version == 1:
+        return Trace(sel, pos, m)
+    missing = [a for a in DRAFT_ARRAYS if a not in drafts]
+    if missing:
+        raise TraceFormatError(f"{path}: version 2 trace lacks arrays {missing}")
+    dtok, acc, dsel = (drafts[a] for a in DRAFT_ARRAYS)
+    if dtok.dtype != np.int32 or acc.dtype != np.int8 or dsel.dtype != np.int32:
+        raise TraceFormatError(f"{path}: draft arrays must be int32, int8, int32, got "
+                               f"{dtok.dtype}, {acc.dtype}, {dsel.dtype}")
+    if dtok.shape != (m.steps,) or acc.shape != (m.steps,) or dsel.shape != sel.shape:
+        raise TraceFormatError(f"{path}: draft arrays {dtok.shape} / {acc.shape} / {dsel.shape} "
+                               f"disagree with the selections {sel.shape}")
+    if np.any(dtok < -1) or np.any((acc != 0) & ((acc != 1) | (dtok < 0))):
+        raise TraceFormatError(f"{path}: draft tokens must be >= -1 and accepted flags 0/1 "
+                               "(1 only with a draft)")
+    if np.any(dsel < -1) or np.any(dsel > pos[None, :, None] + 1) or \
+            np.any((dtok < 0)[None, :, None] & (dsel != -1)):
+        raise TraceFormatError(f"{path}: a draft selection is out of range (-1 or 0..query "
+                               "position + 1; all -1 without a draft)")
+    return Trace(sel, pos, m, dtok, acc, dsel)
 
 
 def _percentiles(x: np.ndarray, qs: Sequence[int] = (10, 50, 90, 99)) -> dict[str, float]:
@@ -401,6 +475,7 @@ def trace_stats(trace: Trace, pool_sizes: Sequence[int] = DEFAULT_POOL_SIZES,
         per_layer_overlap.append(float(inter.mean() / k) if inter.size else float("nan"))
     dist = (pos[None, :, None] - sel)[valid]
     picks = int(valid.sum())
+    draft = None if trace.draft_tokens is None else draft_stats(trace)
     stats = {
         "layers": L, "steps": S, "k": k, "n_tokens": trace.meta.n_tokens,
         "text_file": trace.meta.raw.get("text_file"),
@@ -409,6 +484,7 @@ def trace_stats(trace: Trace, pool_sizes: Sequence[int] = DEFAULT_POOL_SIZES,
         "distance": {**_percentiles(dist), "mean": float(dist.mean()) if dist.size else
                      float("nan")},
         "frac_pos0": float((sel == 0).sum() / picks) if picks else float("nan"),
+        "draft": draft,
         "hit_rate": {},
     }
     if pool_sizes:
@@ -439,6 +515,43 @@ def trace_stats(trace: Trace, pool_sizes: Sequence[int] = DEFAULT_POOL_SIZES,
     return stats
 
 
+def _members(rows: np.ndarray, width: int) -> np.ndarray:
+    """``bool [steps, width]``: which positions each row (``-1`` padded) holds."""
+    member = np.zeros((rows.shape[0], width + 1), dtype=bool)
+    member[np.repeat(np.arange(rows.shape[0]), rows.shape[1]),
+           np.where(rows >= 0, rows, width).ravel()] = True
+    return member[:, :width]
+
+
+def draft_stats(trace: Trace) -> dict:
+    """How well a draft token's selection predicts the next step's (a version 2 trace):
+    ``coverage`` (steps with a draft), ``acceptance`` (of those, the draft is the next token),
+    and per layer the mean share of the next step's ``k`` selections that the draft selected
+    (``predicts``: all drafted steps; ``predicts_rejected``: drafts that were wrong), beside the
+    share the current step's own selection already holds (``current``: what a prefetch without
+    drafts could use)."""
+    sel, dsel, pos = trace.selections, trace.draft_selections, trace.positions
+    L, S, k = sel.shape
+    has = (trace.draft_tokens >= 0)[:-1] & (np.diff(pos) == 1)  # a draft and a next step
+    rejected = has & (trace.draft_accepted[:-1] == 0)
+    width = int(trace.meta.n_tokens) + 1
+    pred, pred_rej, cur = [], [], []
+    for layer in range(L):
+        nxt = _members(sel[layer, 1:], width)
+        hit_d = (_members(dsel[layer, :-1], width) & nxt).sum(1) / k
+        hit_c = (_members(sel[layer, :-1], width) & nxt).sum(1) / k
+        pred.append(float(hit_d[has].mean()) if has.any() else float("nan"))
+        pred_rej.append(float(hit_d[rejected].mean()) if rejected.any() else float("nan"))
+        cur.append(float(hit_c[has].mean()) if has.any() else float("nan"))
+    drafted = int((trace.draft_tokens >= 0).sum())
+    return {"coverage": drafted / S, "acceptance": (int(trace.draft_accepted.sum()) / drafted
+                                                    if drafted else float("nan")),
+            "predicts": float(np.nanmean(pred)), "predicts_rejected": float(np.nanmean(pred_rej)),
+            "current": float(np.nanmean(cur)), "per_layer": {"predicts": pred,
+                                                             "predicts_rejected": pred_rej,
+                                                             "current": cur}}
+
+
 def _rel(new: int, ref: int) -> str:
     """``new`` relative to ``ref`` as a signed percentage ("n/a" when ``ref`` is 0)."""
     if ref == 0:
@@ -461,6 +574,13 @@ def format_stats(stats: dict) -> str:
         f"  p99 {d['p99']:.0f}  mean {d['mean']:.1f}",
         f"picks at position 0: {stats['frac_pos0']:.2%}",
     ]
+    dr = stats.get("draft")
+    if dr:
+        lines.append(
+            f"drafts (prompt lookup): {dr['coverage']:.1%} of steps, {dr['acceptance']:.1%} "
+            f"accepted; the next step's top-k selected by the draft token {dr['predicts']:.3f} "
+            f"(rejected drafts {dr['predicts_rejected']:.3f}), by the current step "
+            f"{dr['current']:.3f}")
     hr = stats.get("hit_rate") or {}
     if not hr:
         return "\n".join(lines)
