@@ -16,7 +16,13 @@ Measures, in one process:
                  table -> GPU rows
   swap           GPU rows <-> pinned host rows  2 x rows x row_bytes h2d_copy_gbps
                  (both PCIe directions)
+  d2h_gather     GPU rows -> pinned host rows   rows x row_bytes    h2d_copy_gbps
   ============== ============================== =================== ===============
+
+Duplex: for each size, ``duplex_factor = (host_gather ms + d2h_gather ms) / swap ms``, the
+same rows moved each way in one launch against the two directions one after the other: 2.0
+is a full-duplex link, 1.0 a serial one. ``bench/decode_sweep.py --duplex-factor F`` prices
+its swaps with it (its duplex column is claimed only with a measured factor).
 
 Sources are random rows over a ``--pool-gib`` pool (default 3 GiB, like a real CPU tier).
 Timing: CUDA events around ``--inner`` back-to-back launches queued behind a ``_sleep`` kernel
@@ -25,7 +31,9 @@ Timing: CUDA events around ``--inner`` back-to-back launches queued behind a ``_
 ``--json`` writes one JSON object to stdout::
 
     {"h2d_copy_gbps": float, "d2d_copy_gbps": float,
-     "rows": [{"kernel": str, "row_bytes": int, "rows": int, "gbps": float, "ratio": float}]}
+     "rows": [{"kernel": str, "row_bytes": int, "rows": int, "gbps": float, "ratio": float}],
+     "duplex": [{"row_bytes": int, "rows": int, "serial_ms": float, "swap_ms": float,
+                 "duplex_factor": float}]}
 
 The readable table, and with ``--sweep`` every rows-per-warp variant, the other gather load
 flavour (``nc``), the unsorted host gather and torch's index_select go to the log (stderr).
@@ -87,6 +95,15 @@ def measure_ceilings(dev: torch.device, reps: int, pinned_empty) -> tuple[float,
     return h2d, d2d
 
 
+def duplex_row(row_bytes: int, rows: int, h2d_ms: float, d2h_ms: float, swap_ms: float
+               ) -> dict:
+    """The duplex factor of one size: the two directions one after the other over the swap
+    that moves the same rows both ways at once (2.0: full duplex; 1.0: serial)."""
+    return {"row_bytes": row_bytes, "rows": rows, "serial_ms": round(h2d_ms + d2h_ms, 5),
+            "swap_ms": round(swap_ms, 5),
+            "duplex_factor": round((h2d_ms + d2h_ms) / swap_ms, 4)}
+
+
 class Bench:
     """Runs every kernel at every row count for one row size; collects result rows."""
 
@@ -97,14 +114,16 @@ class Bench:
         self.cr, self.dispatch, self.pool_ptr_table = cuda_rows, dispatch, pool_ptr_table
         self.h2d, self.d2d, self.reps, self.sweep_on = h2d, d2d, reps, sweep
         self.results: list[dict] = []
+        self.duplex: list[dict] = []
         self.extra: list[tuple[str, int, int, str, float, float]] = []
 
-    def record(self, kernel, row_bytes, rows, nbytes, ms, ceiling) -> None:
+    def record(self, kernel, row_bytes, rows, nbytes, ms, ceiling) -> float:
         g = gbps(nbytes, ms)
         self.results.append({"kernel": kernel, "row_bytes": row_bytes, "rows": rows,
                              "gbps": round(g, 3), "ratio": round(g / ceiling, 4)})
         log.info("%-14s %5d B %7d rows  %8.1f us  %8.1f GB/s  %.3fx", kernel, row_bytes, rows,
                  ms * 1e3, g, g / ceiling)
+        return ms
 
     def note(self, label, row_bytes, rows, variant, nbytes, ms, ceiling) -> None:
         g = gbps(nbytes, ms)
@@ -151,13 +170,19 @@ class Bench:
         def swap(rpw=None, nc=None):
             return lambda: cr.swap(dst, g_idx, host, c_idx, rows_per_warp=rpw)
 
+        def d2h_gather(rpw=None, nc=None):  # the swap's GPU -> host half alone
+            return lambda: cr.gather(dst, g_idx, host, c_idx, rows_per_warp=rpw, nc=nc)
+
         cases = [("host_gather", host_gather, nbytes, self.h2d),
                  ("device_gather", device_gather, 2 * nbytes, self.d2d),
                  ("peer_gather", peer_gather, 2 * nbytes, self.d2d),
-                 ("swap", swap, 2 * nbytes, self.h2d)]
+                 ("swap", swap, 2 * nbytes, self.h2d),
+                 ("d2h_gather", d2h_gather, nbytes, self.h2d)]
+        ms: dict[str, float] = {}
         for name, make, nb, ceiling in cases:
-            self.record(name, row_bytes, rows, nb, timed_ms(make(), reps, inner), ceiling)
-            if not self.sweep_on:
+            ms[name] = self.record(name, row_bytes, rows, nb, timed_ms(make(), reps, inner),
+                                   ceiling)
+            if not self.sweep_on or name == "d2h_gather":  # the duplex figure needs one
                 continue
             for rpw in cr.ROWS_CHOICES:
                 self.note(name, row_bytes, rows, f"rpw={rpw}", nb,
@@ -166,6 +191,11 @@ class Bench:
                 nc = not cr.GATHER_NC_DEFAULT
                 self.note(name, row_bytes, rows, f"nc={int(nc)}", nb,
                           timed_ms(make(None, nc), reps, inner), ceiling)
+        self.duplex.append(duplex_row(row_bytes, rows, ms["host_gather"], ms["d2h_gather"],
+                                      ms["swap"]))
+        log.info("duplex %5d B %7d rows: (H2D %.1f + D2H %.1f us) / swap %.1f us = %.2f",
+                 row_bytes, rows, ms["host_gather"] * 1e3, ms["d2h_gather"] * 1e3,
+                 ms["swap"] * 1e3, self.duplex[-1]["duplex_factor"])
         if self.sweep_on:
             ms = timed_ms(host_gather(s=src_idx, d=dst_idx), reps, inner)
             self.note("host_gather", row_bytes, rows, "unsorted", nbytes, ms, self.h2d)
@@ -232,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         log.info("%-14s %5d B %7d rows %8.1f GB/s %6.3fx", r["kernel"], r["row_bytes"],
                  r["rows"], r["gbps"], r["ratio"])
     if args.json:
-        out = {"h2d_copy_gbps": round(h2d, 3), "d2d_copy_gbps": round(d2d, 3), "rows": results}
+        out = {"h2d_copy_gbps": round(h2d, 3), "d2d_copy_gbps": round(d2d, 3), "rows": results,
+               "duplex": bench.duplex}
         sys.stdout.write(json.dumps(out) + "\n")
     return 0
 

@@ -5,7 +5,8 @@
 #
 # 1. pytest -m gpu (all GPU-marked tests: each kernel vs its reference per compile backend, the
 #    decode graph, stream order, CUDA IPC peers, TP mode in two processes on one GPU),
-# 2. bench/bandwidth.py --json --sweep (ceilings and every kernel at 656/1152 B x 2K/16K/131K),
+# 2. bench/bandwidth.py --json --sweep (ceilings and every kernel at 656/1152 B x 2K/16K/131K,
+#    and the duplex factor (H2D + D2H) / swap that bench/decode_sweep.py --duplex-factor takes),
 # 3. bench/access_bench.py --quick (fused access vs the torch path: launches, identical
 #    results, time ratio, access / data-movement; graph-captured),
 # 4. bench/hisparse_head_to_head.py --quick (when SGLang's kernel sources are carried; its

@@ -79,6 +79,9 @@ def bandwidth_lines(res: dict) -> list[str]:
             tgt = ">=0.60 " + ("ok" if r["ratio"] >= 0.60 else "MISS")
         lines.append(f"{r['kernel']:<14}{r['row_bytes']:>6}{r['rows']:>8}{r['gbps']:>9.1f}"
                      f"{r['ratio']:>7.3f}  {tgt}")
+    for d in res.get("duplex", []):  # decode_sweep.py --duplex-factor takes it
+        lines.append(f"duplex swap {d['row_bytes']:>5} B {d['rows']:>7} rows: (H2D + D2H) / "
+                     f"swap = {d['duplex_factor']:.2f} (2.0 full duplex, 1.0 serial)")
     return lines
 
 

@@ -225,6 +225,17 @@ def test_tiered_policies_miss_when_history_exceeds_gpu(model):
     assert rows["hisparse"]["d2h_mb_per_step"] > 0
 
 
+def test_duplex_time_follows_the_measured_factor():
+    """Factor 1.0 is serial, 2.0 (and no measurement) the ideal max(H2D, D2H); in between the
+    paired bytes cost 2 / F each."""
+    cfg = ds.Config(pcie_gbs=1.0)  # 1 GB/s: seconds = GB
+    h, d = 3e9, 1e9
+    assert ds.duplex_seconds(cfg, h, d) == pytest.approx(3.0)
+    assert ds.duplex_seconds(replace(cfg, duplex_factor=2.0), h, d) == pytest.approx(3.0)
+    assert ds.duplex_seconds(replace(cfg, duplex_factor=1.0), h, d) == pytest.approx(4.0)
+    assert ds.duplex_seconds(replace(cfg, duplex_factor=1.6), h, d) == pytest.approx(2 / 1.6 + 2)
+
+
 def test_other_time_is_a_roofline_over_the_batch():
     cfg = ds.Config()
     weights = cfg.weights_gb / (cfg.hbm_tbs * 1e3)

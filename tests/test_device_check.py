@@ -71,3 +71,28 @@ def test_summary_of_a_zero_exit_without_json_is_a_failure(tmp_path):
     out = _summary(tmp_path, pytest=0, bandwidth=0, access=124, hisparse_h2h=0, decode_sweep=0)
     assert "bandwidth: FAILED: exit 0 but no JSON result in bandwidth.json" in out
     assert "access: FAILED: timed out" in out
+
+
+def test_summary_prints_the_duplex_factor(tmp_path):
+    """bench/bandwidth.py's duplex rows ((H2D + D2H) / swap) reach the summary, the figure
+    bench/decode_sweep.py --duplex-factor takes."""
+    bw = {"h2d_copy_gbps": 55.0, "d2d_copy_gbps": 3000.0,
+          "rows": [{"kernel": "swap", "row_bytes": 656, "rows": 16384, "gbps": 80.0,
+                    "ratio": 1.45}],
+          "duplex": [{"row_bytes": 656, "rows": 16384, "serial_ms": 0.5, "swap_ms": 0.3,
+                      "duplex_factor": 1.6667}]}
+    (tmp_path / "bandwidth.json").write_text(json.dumps(bw))
+    (tmp_path / "bandwidth.log").write_text("")
+    out = _summary(tmp_path, pytest=0, bandwidth=0)
+    assert "duplex swap   656 B   16384 rows: (H2D + D2H) / swap = 1.67" in out
+
+
+def test_duplex_factor_arithmetic():
+    """Serial directions over one swap: equal times mean full duplex (2.0)."""
+    from tests.helpers import load_bench
+
+    bw = load_bench("bandwidth")
+    assert bw.duplex_row(656, 100, 0.3, 0.2, 0.25)["duplex_factor"] == 2.0
+    assert bw.duplex_row(656, 100, 0.3, 0.2, 0.5)["duplex_factor"] == 1.0
+    r = bw.duplex_row(1152, 2048, 0.3, 0.3, 0.4)
+    assert (r["serial_ms"], r["swap_ms"], r["duplex_factor"]) == (0.6, 0.4, 1.5)
