@@ -373,11 +373,10 @@ def run_level(policy: str, concurrency: int, cfg: Config, requests: list[Request
     pending_release: list[np.ndarray] = []
 
     def flush() -> None:
-        """Rows of finished and retracted requests: released at a round start, then their
-        addresses are free for new tokens."""
+        """Rows of finished and retracted requests released (no round start: a server frees
+        whenever SGLang does), then their addresses are free for new tokens."""
         if pending_release:
             freed = np.concatenate(pending_release)
-            ula.new_round()
             ula.group.release(torch.from_numpy(freed))
             free_addrs.extend(freed[::-1].tolist())
             pending_release.clear()
@@ -388,10 +387,9 @@ def run_level(policy: str, concurrency: int, cfg: Config, requests: list[Request
             lv.start = lv.pos
         else:
             lv = _Live(item, item.input_len, item.output_len, item.input_len)
-        if ula is not None:
+        if ula is not None:  # placed with the step's other prompts (one prefill round)
             lv.addrs = np.empty(lv.req.input_len + lv.req.output_len, dtype=np.int64)
             lv.addrs[: lv.pos] = [free_addrs.pop() for _ in range(lv.pos)]
-            ula.place(torch.from_numpy(lv.addrs[: lv.pos]))
         if real is not None and ula is None:
             n = lv.req.input_len + lv.req.output_len
             lv.host = np.array(free_rows[-n:][::-1], dtype=np.int64)
@@ -418,18 +416,29 @@ def run_level(policy: str, concurrency: int, cfg: Config, requests: list[Request
         if not running and not waiting and pending:  # idle: jump to the next arrival
             now = pending[0].arrival_s
             waiting.append(pending.popleft())
-        while waiting and len(running) < concurrency:
+        batch: list[_Live] = []  # this step's prefill batch
+        while waiting and len(running) + len(batch) < concurrency:
             head = waiting[0]
             prompt = head.pos if isinstance(head, _Live) else head.input_len
             left = head.left if isinstance(head, _Live) else head.output_len
-            if not mem.admits(running, prompt, left, ratio):
+            if not mem.admits(running + batch, prompt, left, ratio):
                 break
-            running.append(admit(waiting.popleft()))
+            if policy == "ulacache" and sum(lv.pos for lv in batch) + prompt > cfg.gpu_rows:
+                break  # prefill_fits: the batch's prompts together on the GPU
+            if real is not None and ula is None:  # --real-rows: its fixed row layout
+                req = head.req if isinstance(head, _Live) else head
+                if len(free_rows) < req.input_len + req.output_len or \
+                        (policy == "hisparse" and not free_buffers):
+                    break
+            batch.append(admit(waiting.popleft()))
+        running += batch
+        if ula is not None and batch:
+            ula.place(torch.from_numpy(np.concatenate([lv.addrs[: lv.pos] for lv in batch])))
         while running and not mem.decode_room(running):  # retract the newest first
             lv = running.pop()
             drop(lv)
             waiting.appendleft(lv)
-            tot["retracted"] += 1
+            tot["retracted"] += in_window
             ratio = RATIO_INIT
         if not running:
             break
@@ -454,7 +463,7 @@ def run_level(policy: str, concurrency: int, cfg: Config, requests: list[Request
             d = dict(zip(COUNTERS, (ula.group.counters - before).tolist()))
             acc, hit, h2d_rows = d["accesses"], d["gpu_hits"], d["promotions"]
             d2h_rows = d["writebacks"] + d["spills"]
-            tot["overflow"] += d["access_overflow"] + d["place_overflow"]
+            tot["overflow"] += (d["access_overflow"] + d["place_overflow"]) * in_window
         elif policy == "hisparse":
             for lv, x in zip(running, sels):
                 h, m = lv.buf.step(x, lv.pos) if lv.buf is not None else \
@@ -594,6 +603,8 @@ def equal_bytes(base: Config, platform: str, model: str, tuning: Tuning, level: 
         cfg = replace(base, **geo, gpu_rows=g, host_rows=tuning.ratio * g,
                       h_slots=tuning.h_slots)
         extra = capacity.uncharged(inp, "hisparse_dp", tuning.ratio, g)
+        # per request slot: the launch's --max-running-requests level (+ SGLang's padding slot)
+        extra = {"total": extra["fixed"] + extra["per_request_slot"] * (level + 1)}
     elif tuning.system == "ulacache":
         g = capacity.ulacache_dp_pool(inp, tuning.ratio, running=level)
         cfg = replace(base, **geo, gpu_rows=g, host_rows=tuning.ratio * g)
@@ -729,14 +740,23 @@ ASSUMPTIONS = [
     ("Overlap bound max(compute, PCIe): every transfer hidden behind compute, for both alike; "
      "nothing here prefetches", "ulacache, whose PCIe share is larger"),
     ("Step = control (2 us per counted launch) + sparse-MLA roofline + non-attention roofline "
-     "max(weights / HBM, batch x 2 x active params / 400 TFLOP/s)", "neither: the same model "
-     "for both; a batch-dependent term penalises whoever admits more"),
+     "max(weights / HBM, batch x 2 x active params / 400 TFLOP/s)", "neither in the rooflines "
+     "(the same for both; the batch-dependent term penalises whoever admits more); the control "
+     "plane omits kernel run time (ulacache's access scans its pools) and HiSparse's host-side "
+     "coordinator work, which leans each way"),
+    ("Each side's tuning is chosen on the serial peak and reused for the duplex and overlap "
+     "columns", "whoever would tune differently under those pricings (ulacache's best cpu_ratio "
+     "depends most on how PCIe is priced)"),
+    ("Seeds vary the selection streams only (the Mooncake arrivals and lengths are fixed); a "
+     "retraction takes the newest request and resets the ratio to 0.7 (SGLang estimates it and "
+     "picks by fewest outputs)", "neither: the same for both; the spread understates variance"),
     ("Selections: the locality generator calibrated on the real SmolLM2 trace, one stream per "
      "request; one layer stands for all", "neither: identical selections for both"),
     ("--scale s divides k, H, the page, every pool and every request's lengths by s (bytes and "
      "attention rows multiplied back); a new token is then s x a larger share of a step's "
-     "selections", "HiSparse slightly: its one backup row per request per step is a larger "
-     "share of its D2H, ulacache's new rows a larger share of its spills; both grow"),
+     "selections, and requests live s x fewer steps, so admissions and their cold starts "
+     "(HiSparse's first misses, ulacache's promotions of rows a prompt displaced) come s x "
+     "as often", "HiSparse slightly: the full-size check puts ulacache's ratio 3% higher"),
 ]
 
 

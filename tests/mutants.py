@@ -230,11 +230,11 @@ DISTINCT_MUTANTS = [  # a prefill table's one access on its distinct addresses
      "    return found, n_distinct, bad", "distinct: the claim table is left dirty"),
     (G, "        bad += ((p != -1) & ~inrange).sum()", "        bad += (~inrange).sum()",
      "distinct: padding counted as out of range"),
-    (H, "self.claim_table, table, self.config.gpu_slots, first=first,",
-     "self.claim_table, table, self.config.gpu_slots - 1, first=first,",
+    (H, "size = min(self.config.gpu_slots, table.numel())",
+     "size = min(self.config.gpu_slots - 1, table.numel())",
      "DP access_distinct keeps one row fewer than the pool"),
-    (TPF, "        size = self.gpu_slots + self.buffer_slots\n",
-     "        size = self.buffer_slots\n", "TP access_distinct bounded by the buffer alone"),
+    (TPF, "        bound = self.gpu_slots + self.buffer_slots\n",
+     "        bound = self.buffer_slots\n", "TP access_distinct bounded by the buffer alone"),
 ]
 
 INTERFACE_TESTS = ["tests/test_core_interface.py"]

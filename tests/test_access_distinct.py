@@ -90,6 +90,10 @@ def test_dp_one_access_then_translate_reads_every_entry(validate):
         got = s.gpu_rows(layer)[rows[real].long()]
         assert torch.equal(got, row_bytes_for(table[real].to(torch.int64), layer, 0, RB))
     assert bool((s.claim_table == NO_CLAIM).all())
+    s.begin_round()  # a table shorter than the pool: an access of its own length
+    short = torch.cat([a[:2], a[:1]]).view(1, -1)
+    s.access_distinct(0, short)
+    assert bool((s.translate(0, short) >= 0).all())
     c.check_integrity()
 
 

@@ -81,6 +81,7 @@ def test_end_to_end_writes_csv_md_json(tmp_path, triton):
     assert {r["seed"] for r in rows} == {"0", "1"}
     for r in rows:
         assert 0 <= float(r["gpu_hit_rate"]) <= 1 and int(r["steps"]) == 5
+        assert int(r["admitted_max"]) <= int(r["concurrency"])  # --max-running-requests
         assert float(r["step_ms"]) > 0 and float(r["tokens_per_s"]) > 0
         assert int(r["overflow"]) == 0
         # overlap >= duplex >= serial: each hides more of the same transfers

@@ -261,13 +261,15 @@ class AddressSpace:
         (read their rows with :meth:`translate`, which has no side effects). The bound is
         what :meth:`prefill_fits` admits; beyond it rows stay put and are counted as
         ``access_overflow``, out-of-range entries as ``invalid`` (validate off). Validate on:
-        :class:`AddressError` / :class:`CapacityExhausted` before anything changes."""
+        :class:`AddressError` / :class:`CapacityExhausted` before anything changes. The
+        access counts distinct rows (``accesses``, ``gpu_hits``, ``promotions``), not the
+        table's entries."""
         table = self.checked_addresses(table, "access_distinct: table")
         g = self.group(group)
+        size = min(self.config.gpu_slots, table.numel())  # a short table: a short access
         with self.stream.scope():
             found, n_distinct, bad = distinct_addresses(
-                self.claim_table, table, self.config.gpu_slots, first=first,
-                piece=self.config.call_capacity)
+                self.claim_table, table, size, first=first, piece=self.config.call_capacity)
             if self.validate:
                 if int(bad):
                     raise AddressError(f"access: {int(bad)} table entries out of range "
@@ -279,7 +281,7 @@ class AddressSpace:
             else:
                 add_counts(g.counters, COUNTERS, {
                     "invalid": bad,
-                    "access_overflow": (n_distinct - self.config.gpu_slots).clamp_(min=0)})
+                    "access_overflow": (n_distinct - size).clamp_(min=0)})
             g.access(found.view(1, -1))
 
     def plan(self, group: int, addrs: torch.Tensor,

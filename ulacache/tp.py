@@ -620,7 +620,8 @@ class TPAddressSpace:
         entries as ``invalid`` (validate off); validate on: the same error on every rank
         before any change. Read the rows with :meth:`translate` (no side effects)."""
         table = self.local.checked_addresses(table, "access_distinct: table")
-        size = self.gpu_slots + self.buffer_slots
+        bound = self.gpu_slots + self.buffer_slots
+        size = min(bound, table.numel())  # the same on every rank: the table's shape
         with self.stream.scope():
             found, n_distinct, bad = distinct_addresses(self.claim_table, table, size,
                                                         first=first, piece=self.call_capacity)
@@ -629,7 +630,7 @@ class TPAddressSpace:
                 if int(bad):
                     raise AddressError(f"access: {int(bad)} table entries out of range "
                                        f"[0, {self.n_logical})")
-                if int(n_distinct) > size:
+                if int(n_distinct) > bound:
                     raise CapacityExhausted(
                         f"access: {int(n_distinct)} distinct rows cannot be read at once "
                         f"through {self.gpu_slots} own slots and {self.buffer_slots} buffer rows")
