@@ -164,6 +164,11 @@ def _ulacache_unsupported(args: Any) -> list[str]:
     if int(getattr(args, "attn_cp_size", 1) or 1) > 1:
         problems.append(f"--attn-cp-size {args.attn_cp_size} (context-parallel attention "
                         "splits a request's tokens across ranks; the address space does not)")
+    if str(getattr(args, "speculative_algorithm", None) or "NONE").upper() == "NGRAM":
+        # NGRAM verifies a tree of drafts; the HiSparse verify seam ulacache serves
+        # (dsa_backend forward_extend, target_verify) takes [reqs, steps, k] linear drafts
+        problems.append("--speculative-algorithm NGRAM (it drafts trees; ulacache verifies "
+                        "linear drafts: EAGLE, EAGLE3 or MTP with --speculative-eagle-topk 1)")
     return problems
 
 
@@ -234,8 +239,9 @@ class UlaServerArgs(_sglang_server_args.ServerArgs):
                 + "; ".join(problems + tp_problems)
                 + ". Legal: --kv-backend hisparse|ulacache with --dcp-size 1 and without "
                 "--enable-kv-cache-sharding"
-                + (", --enable-mixed-chunk, --use-ray, --disaggregation-mode, --pp-size > 1 "
-                   "or --attn-cp-size > 1; " if self.kv_backend == "ulacache" else "; ")
+                + (", --enable-mixed-chunk, --use-ray, --disaggregation-mode, --pp-size > 1, "
+                   "--attn-cp-size > 1 or --speculative-algorithm NGRAM; "
+                   if self.kv_backend == "ulacache" else "; ")
                 + "--ulacache-config only with --kv-backend ulacache"
                 + (f"; {TP_LEGAL}." if tp_problems else ".")
             )

@@ -34,8 +34,8 @@ def refusals(dsa_model) -> dict:
     """Launches that must refuse before serving, run at once (each is mostly SGLang's import
     time): a bad --ulacache-config, a model without sparse attention, a server dependency
     missing (uvloop: SGLang cannot import its engine module and only logs that its hooks
-    failed), deployments not built (PD decode, pipeline stages, context-parallel attention:
-    one launch, one line naming all three) and the radix cache left on."""
+    failed), deployments not built (PD decode, pipeline stages, context-parallel attention,
+    NGRAM's tree drafts: one launch, one line naming all four) and the radix cache left on."""
     from concurrent.futures import ThreadPoolExecutor
 
     llama = write_model(dsa_model.parent / "llama", "LlamaForCausalLM")
@@ -46,7 +46,8 @@ def refusals(dsa_model) -> dict:
         "dependency": lambda: run_launch(dsa_model, ULA,
                                          env={"ULA_TEST_BLOCK_MODULES": "uvloop"}),
         "not built": lambda: run_launch(dsa_model, ULA + [
-            "--disaggregation-mode", "decode", "--pp-size", "2", "--attn-cp-size", "2"]),
+            "--disaggregation-mode", "decode", "--pp-size", "2", "--attn-cp-size", "2",
+            "--speculative-algorithm", "NGRAM"]),
         "radix": lambda: run_launch(dsa_model, ["--kv-backend", "ulacache"]),
     }
     with ThreadPoolExecutor(len(launches)) as ex:
@@ -86,11 +87,13 @@ def test_a_missing_server_dependency_stops_a_ulacache_launch(refusals):
 
 def test_deployments_not_built_are_refused_at_launch_with_one_line(refusals):
     """--disaggregation-mode decode used to start and then crash at disaggregation/decode.py
-    reading mem_pool_host; pipeline stages and context-parallel attention are not built."""
+    reading mem_pool_host; pipeline stages, context-parallel attention and NGRAM's tree
+    drafts are not built."""
     p = refusals["not built"]
     line = _one_line(p)
     assert p.returncode == 2 and line.startswith("ulacache: error: "), (p.returncode, line)
-    for flag in ("--disaggregation-mode decode", "--pp-size 2", "--attn-cp-size 2"):
+    for flag in ("--disaggregation-mode decode", "--pp-size 2", "--attn-cp-size 2",
+                 "--speculative-algorithm NGRAM"):
         assert flag in line, (flag, line)
     assert "Traceback" not in p.stderr
 

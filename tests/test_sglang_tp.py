@@ -542,6 +542,8 @@ def test_tp_mode_refuses_illegal_parallelism_naming_flags(clean_env, kw, fragmen
     ({"attn_cp_size": 2}, "--attn-cp-size 2"),
     ({"disaggregation_mode": "decode"}, "--disaggregation-mode decode"),
     ({"disaggregation_mode": "prefill"}, "--disaggregation-mode prefill"),
+    ({"speculative_algorithm": "NGRAM"}, "--speculative-algorithm NGRAM"),
+    ({"speculative_algorithm": "ngram"}, "--speculative-algorithm NGRAM"),
 ])
 def test_deployments_not_built_are_refused_in_every_mode(clean_env, mode, kw, fragment):
     """PD disaggregation (decode crashed at disaggregation/decode.py reading mem_pool_host),
