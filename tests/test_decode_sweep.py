@@ -75,6 +75,14 @@ def test_end_to_end_writes_csv_md_json(tmp_path, triton):
                 "ulacache/hisparse tokens_per_s_overlap", "ulacache/resident tokens_per_s"):
         v = res["peak_ratios"][key]
         assert len(v["per_seed"]) == 2 and v["min"] <= v["mean"] <= v["max"]
+    # each column tuned apart: its best tuning holds the seed-0 maximum of that column
+    for system, by_metric in res["best_by_metric"].items():
+        seed0 = [r for r in res["rows"] if r["seed"] == 0 and r["policy"] == system]
+        for metric, label in by_metric.items():
+            assert max(r[metric] for r in seed0 if r["tuning"] == label) == \
+                max(r[metric] for r in seed0)
+        assert res["peaks"][system][0]["tokens_per_s_overlap"] == \
+            max(r["tokens_per_s_overlap"] for r in seed0)
     with open(tmp_path / "decode_sweep.csv") as f:
         rows = list(csv.DictReader(f))
     assert tuple(rows[0]) == ds.CSV_COLUMNS
