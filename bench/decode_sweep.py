@@ -500,6 +500,7 @@ def run_level(policy: str, concurrency: int, cfg: Config, requests: list[Request
         other = other_seconds(cfg, len(running))
         compute = ctl + attn + other
         serial = compute + (h2d + d2h) / bw
+        pcie_dx = duplex_seconds(cfg, h2d, d2h)
         now += serial
         if in_window:
             tot["admitted"].append(len(running))
@@ -507,9 +508,9 @@ def run_level(policy: str, concurrency: int, cfg: Config, requests: list[Request
                            ("ctl", ctl), ("ctl_other", ctl_other), ("attn", attn),
                            ("other", other), ("cpu", cpu), ("tokens", len(running)),
                            ("serial", serial),
-                           ("duplex", compute + duplex_seconds(cfg, h2d, d2h)),
+                           ("duplex", compute + pcie_dx),
                            ("overlap", max(compute, (h2d + d2h) / bw)),
-                           ("pcie_dx", duplex_seconds(cfg, h2d, d2h)),
+                           ("pcie_dx", pcie_dx),
                            ("other_path", serial - ctl + ctl_other)):
                 tot[key] += v
             tot["steps"] += 1

@@ -174,6 +174,26 @@ def distinct_addresses(claim: torch.Tensor, table: torch.Tensor, size: int, *, f
     return found, n_distinct, bad
 
 
+def check_distinct(bad: torch.Tensor, n_distinct: torch.Tensor, bound: int, n_logical: int,
+                   room: str) -> None:
+    """Raise what an access on :func:`distinct_addresses`' result refuses with validate on
+    (host reads): out-of-range entries (:class:`AddressError`), more distinct rows than
+    ``bound`` (:class:`CapacityExhausted`; ``room`` says where they would have to fit)."""
+    if int(bad):
+        raise AddressError(f"access: {int(bad)} table entries out of range [0, {n_logical})")
+    if int(n_distinct) > bound:
+        raise CapacityExhausted(f"access: {int(n_distinct)} distinct rows cannot be read at "
+                                f"once through {room}")
+
+
+def count_distinct(counters: torch.Tensor, bad: torch.Tensor, n_distinct: torch.Tensor,
+                   size: int) -> None:
+    """Validate off: the entries :func:`distinct_addresses` ignored as ``invalid``, the
+    distinct rows beyond its ``size`` as ``access_overflow`` (no sync)."""
+    add_counts(counters, COUNTERS, {"invalid": bad,
+                                    "access_overflow": (n_distinct - size).clamp_(min=0)})
+
+
 def first_occurrence(claim: torch.Tensor, safe: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """``keep`` (``bool [n]``) restricted to the first occurrence of each index of ``safe``
     (``int64 [n]``, in range of ``claim``). ``claim`` is an ``int64`` table all ``NO_CLAIM``

@@ -21,12 +21,13 @@ import logging
 import torch
 
 from .config import UlaCacheConfig
-from .errors import AddressError, CapacityExhausted, ConfigError, ShapeError
+from .errors import CapacityExhausted, ConfigError, ShapeError
 from .group import (
     COUNTERS,
     SelectionGroup,
-    add_counts,
     advance_policies,
+    check_distinct,
+    count_distinct,
     distinct_addresses,
     new_claim_table,
 )
@@ -271,17 +272,10 @@ class AddressSpace:
             found, n_distinct, bad = distinct_addresses(
                 self.claim_table, table, size, first=first, piece=self.config.call_capacity)
             if self.validate:
-                if int(bad):
-                    raise AddressError(f"access: {int(bad)} table entries out of range "
-                                       f"[0, {self.n_logical})")
-                if int(n_distinct) > self.config.gpu_slots:
-                    raise CapacityExhausted(
-                        f"access: {int(n_distinct)} distinct rows cannot be GPU-resident at "
-                        f"once in a pool of {self.config.gpu_slots} slots")
+                check_distinct(bad, n_distinct, self.config.gpu_slots, self.n_logical,
+                               f"a GPU pool of {self.config.gpu_slots} slots")
             else:
-                add_counts(g.counters, COUNTERS, {
-                    "invalid": bad,
-                    "access_overflow": (n_distinct - size).clamp_(min=0)})
+                count_distinct(g.counters, bad, n_distinct, size)
             g.access(found.view(1, -1))
 
     def plan(self, group: int, addrs: torch.Tensor,

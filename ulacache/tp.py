@@ -57,7 +57,9 @@ from .group import (
     COUNTERS,
     add_counts,
     advance_policies,
+    check_distinct,
     check_out,
+    count_distinct,
     distinct_addresses,
     in_pieces,
     new_claim_table,
@@ -626,19 +628,12 @@ class TPAddressSpace:
             found, n_distinct, bad = distinct_addresses(self.claim_table, table, size,
                                                         first=first, piece=self.call_capacity)
         if self.validate:
-            def check():
-                if int(bad):
-                    raise AddressError(f"access: {int(bad)} table entries out of range "
-                                       f"[0, {self.n_logical})")
-                if int(n_distinct) > bound:
-                    raise CapacityExhausted(
-                        f"access: {int(n_distinct)} distinct rows cannot be read at once "
-                        f"through {self.gpu_slots} own slots and {self.buffer_slots} buffer rows")
-            self._agree(check)
+            self._agree(lambda: check_distinct(
+                bad, n_distinct, bound, self.n_logical,
+                f"{self.gpu_slots} own slots and {self.buffer_slots} buffer rows"))
         else:
             with self.stream.scope():
-                add_counts(self.local.groups[group].counters, COUNTERS, {
-                    "invalid": bad, "access_overflow": (n_distinct - size).clamp_(min=0)})
+                count_distinct(self.local.groups[group].counters, bad, n_distinct, size)
         self.access(group, found.view(1, -1))
 
     def translate(self, group: int, addrs: torch.Tensor) -> torch.Tensor:

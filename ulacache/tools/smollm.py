@@ -213,7 +213,7 @@ class SmolLM2:
         T = ids.numel()
         if T == 0 or T > cfg.context_length:
             raise ValueError(f"need 1..{cfg.context_length} tokens, got {T}")
-        H, KV, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        D = cfg.head_dim
         want = return_attn_scores or select_k is not None
         drafts = None
         if draft_ids is not None:
@@ -229,13 +229,7 @@ class SmolLM2:
         dsel_out: list[torch.Tensor] | None = [] if drafts is not None else None
         for layer in range(cfg.n_layers):
             p = f"blk.{layer}."
-            h = self._rms(x, self.w[p + "attn_norm.weight"])
-            q = (h @ self.w[p + "attn_q.weight"].T).view(T, H, D).transpose(0, 1)
-            k = (h @ self.w[p + "attn_k.weight"].T).view(T, KV, D).transpose(0, 1)
-            v = (h @ self.w[p + "attn_v.weight"].T).view(T, KV, D).transpose(0, 1)
-            q, k = _apply_rope(q, cos[:T], sin[:T]), _apply_rope(k, cos[:T], sin[:T])
-            k = k.repeat_interleave(H // KV, dim=0)  # [H, T, D]
-            v = v.repeat_interleave(H // KV, dim=0)
+            q, k, v = self._qkv(p, x, cos[:T], sin[:T])
             if xd is not None:  # every draft branch, before x moves on to the next layer
                 xd, dsel = self._draft_layer(p, xd, k, v, cos[1:], sin[1:], select_k, chunk)
                 dsel_out.append(dsel.masked_fill(drafts.view(-1, 1) < 0, -1))
@@ -248,10 +242,7 @@ class SmolLM2:
                     sel_out.append(sel)
             else:
                 attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + attn.transpose(0, 1).reshape(T, H * D) @ self.w[p + "attn_output.weight"].T
-            h = self._rms(x, self.w[p + "ffn_norm.weight"])
-            gate = F.silu(h @ self.w[p + "ffn_gate.weight"].T)
-            x = x + (gate * (h @ self.w[p + "ffn_up.weight"].T)) @ self.w[p + "ffn_down.weight"].T
+            x = self._out_ffn(p, x, attn)
         hidden = self._rms(x, self.w["output_norm.weight"])
         if logits == "all":
             out_logits = hidden @ self.w["output.weight"].T
@@ -268,16 +259,8 @@ class SmolLM2:
         ``t + 1``) attends to the true keys/values ``k``, ``v`` ``[H, T, D]`` of positions
         ``0..t`` and to its own. Returns the branches' next ``xd`` and their selections
         int64 ``[T, select_k]`` (position ``t + 1`` is the branch's own token)."""
-        cfg = self.config
-        H, KV, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        T = xd.shape[0]
-        h = self._rms(xd, self.w[p + "attn_norm.weight"])
-        q = _apply_rope((h @ self.w[p + "attn_q.weight"].T).view(T, H, D).transpose(0, 1), cos,
-                        sin)
-        kd = _apply_rope((h @ self.w[p + "attn_k.weight"].T).view(T, KV, D).transpose(0, 1),
-                         cos, sin).repeat_interleave(H // KV, dim=0)
-        vd = (h @ self.w[p + "attn_v.weight"].T).view(T, KV, D).transpose(0, 1) \
-            .repeat_interleave(H // KV, dim=0)
+        T, D = xd.shape[0], self.config.head_dim
+        q, kd, vd = self._qkv(p, xd, cos, sin)
         out = torch.empty_like(q)
         sel = torch.full((T, select_k), -1, dtype=torch.long)
         scale = 1.0 / math.sqrt(D)
@@ -298,11 +281,30 @@ class SmolLM2:
             idx = torch.where(raw == e, qpos + 1, raw)  # the own key sits at position t + 1
             idx = idx.masked_fill(invalid, T + 1).sort(dim=-1).values
             sel[s:e, :kk] = idx.masked_fill(idx == T + 1, -1)
-        xd = xd + out.transpose(0, 1).reshape(T, H * D) @ self.w[p + "attn_output.weight"].T
-        h = self._rms(xd, self.w[p + "ffn_norm.weight"])
+        return self._out_ffn(p, xd, out), sel
+
+    def _qkv(self, p: str, x, cos, sin):
+        """One layer's rotated queries and keys and its values for hidden states ``x``
+        ``[T, d]`` at the positions of ``cos``/``sin``: float32 ``[H, T, D]`` each (GQA keys
+        and values repeated per query head)."""
+        cfg = self.config
+        H, KV, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        T = x.shape[0]
+        h = self._rms(x, self.w[p + "attn_norm.weight"])
+        q = (h @ self.w[p + "attn_q.weight"].T).view(T, H, D).transpose(0, 1)
+        k = (h @ self.w[p + "attn_k.weight"].T).view(T, KV, D).transpose(0, 1)
+        v = (h @ self.w[p + "attn_v.weight"].T).view(T, KV, D).transpose(0, 1)
+        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+        return q, k.repeat_interleave(H // KV, dim=0), v.repeat_interleave(H // KV, dim=0)
+
+    def _out_ffn(self, p: str, x, attn):
+        """``x`` after one layer's attention output ``attn`` ``[H, T, D]`` (projected, added)
+        and its gated MLP."""
+        T = x.shape[0]
+        x = x + attn.transpose(0, 1).reshape(T, -1) @ self.w[p + "attn_output.weight"].T
+        h = self._rms(x, self.w[p + "ffn_norm.weight"])
         gate = F.silu(h @ self.w[p + "ffn_gate.weight"].T)
-        ffn = (gate * (h @ self.w[p + "ffn_up.weight"].T)) @ self.w[p + "ffn_down.weight"].T
-        return xd + ffn, sel
+        return x + (gate * (h @ self.w[p + "ffn_up.weight"].T)) @ self.w[p + "ffn_down.weight"].T
 
     def _attention_scored(self, q, k, v, select_k, chunk, *, keep_scores):
         """Explicit softmax attention in query chunks. q/k/v float32 ``[H, T, D]``.

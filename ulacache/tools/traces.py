@@ -466,11 +466,7 @@ def trace_stats(trace: Trace, pool_sizes: Sequence[int] = DEFAULT_POOL_SIZES,
     consecutive = np.diff(pos) == 1  # [S-1]
     per_layer_overlap = []
     for layer in range(L):
-        rows = sel[layer]
-        member = np.zeros((S, int(trace.meta.n_tokens) + 1), dtype=bool)
-        r_idx = np.repeat(np.arange(S), k)
-        member[r_idx, np.where(rows >= 0, rows, trace.meta.n_tokens).ravel()] = True
-        member[:, -1] = False
+        member = _members(sel[layer], int(trace.meta.n_tokens))
         inter = (member[1:] & member[:-1]).sum(axis=1)[consecutive]
         per_layer_overlap.append(float(inter.mean() / k) if inter.size else float("nan"))
     dist = (pos[None, :, None] - sel)[valid]
