@@ -96,7 +96,8 @@ MOONCAKE = Path(__file__).resolve().parent / "data" / "mooncake_conversation_hea
 TRACE = ROOT / "ulacache" / "tools" / "data" / "gpl3.trace.npz"
 CSV_COLUMNS = ("seed", "tuning", "concurrency", "policy", "gpu_rows", "host_rows",
                "admitted_mean", "admitted_max", "steps", "gpu_hit_rate", "h2d_mb_per_step",
-               "d2h_mb_per_step", "control_ms", "attn_ms", "other_ms", "pcie_serial_ms",
+               "d2h_mb_per_step", "d2h_evict_mb_per_step", "d2h_backup_mb_per_step",
+               "control_ms", "attn_ms", "other_ms", "pcie_serial_ms",
                "pcie_duplex_ms", "step_ms", "tokens_per_s", "tokens_per_s_duplex",
                "tokens_per_s_overlap", "tokens_per_s_other_path", "retracted", "overflow",
                "finished", "ula_launches_per_step", "uncharged_gpu_bytes", "cpu_ctl_ms_per_step",
@@ -175,6 +176,7 @@ class Config:
     real_rows: bool = False  # also move and read one layer of real rows, timed (decode_rows)
     device: str = "cpu"  # where --real-rows runs (cuda when available)
     seed: int = 0
+    shadows: bool = True  # ulacache: evictions of promoted rows remap to their CPU copy
 
     def scaled(self, s: int) -> Config:
         """This launch at ``1/s`` size (k, H, page and pools divided; see the class)."""
@@ -338,6 +340,9 @@ def run_level(policy: str, concurrency: int, cfg: Config, requests: list[Request
     ``cfg`` is already at its simulated scale. ``counts``: ulacache's launch counts per path
     (:func:`count_launches`; ``cfg.ula_path`` times the step, the other is reported).
     ``selections`` / ``hisparse``: the seed's shared caches (made here when absent)."""
+    system = policy
+    if policy == "ulacache_wb":  # ulacache with shadows off
+        policy, cfg = "ulacache", replace(cfg, shadows=False)
     selections = selections or SelectionCache(model, cfg.k, cfg.seed)
     hisparse = hisparse or HiSparseCache(selections)
     mem = Memory(policy, cfg)
@@ -354,8 +359,10 @@ def run_level(policy: str, concurrency: int, cfg: Config, requests: list[Request
         cfg = timed_path(cfg, counts)
         unique = cfg.gpu_rows + cfg.host_rows
         ula = Residency("pblru", cfg.gpu_rows, unique, cfg.buckets, device=cfg.device,
-                        layers=1, row_bytes=cfg.row_bytes) if cfg.real_rows else \
-            Residency("pblru", cfg.gpu_rows, unique, cfg.buckets)
+                        layers=1, row_bytes=cfg.row_bytes, shadows=cfg.shadows,
+                        cpu_slots=cfg.host_rows) if cfg.real_rows else \
+            Residency("pblru", cfg.gpu_rows, unique, cfg.buckets, shadows=cfg.shadows,
+                      cpu_slots=cfg.host_rows)
         free_addrs = list(range(unique - 1, -1, -1))
     if cfg.real_rows:
         from decode_rows import RealRows
@@ -366,7 +373,8 @@ def run_level(policy: str, concurrency: int, cfg: Config, requests: list[Request
                                -1, -1))
         free_buffers = list(range(cfg.gpu_rows // (cfg.h_slots + cfg.page) - 1, -1, -1))
     other_path = next((p for p in (counts or {}) if p != cfg.ula_path), None)
-    keys = ("acc", "hit", "h2d", "d2h", "ctl", "ctl_other", "attn", "other", "tokens", "cpu",
+    keys = ("acc", "hit", "h2d", "d2h", "d2h_evict", "ctl", "ctl_other", "attn", "other",
+            "tokens", "cpu",
             "serial", "duplex", "overlap", "pcie_dx", "other_path")
     tot = dict.fromkeys(keys, 0.0) | dict(overflow=0, finished=0, retracted=0, admitted=[],
                                          steps=0, launches=0)
@@ -446,7 +454,7 @@ def run_level(policy: str, concurrency: int, cfg: Config, requests: list[Request
             flush()
         sels = [selections.get(lv.req.rid, lv.pos) for lv in running]
         n_sel = sum(x.size for x in sels)
-        acc = hit = h2d_rows = d2h_rows = 0
+        acc = hit = h2d_rows = d2h_rows = evict_rows = 0
         t0 = time.perf_counter()
         if ula is not None:
             before = ula.group.counters.clone()
@@ -463,6 +471,7 @@ def run_level(policy: str, concurrency: int, cfg: Config, requests: list[Request
             d = dict(zip(COUNTERS, (ula.group.counters - before).tolist()))
             acc, hit, h2d_rows = d["accesses"], d["gpu_hits"], d["promotions"]
             d2h_rows = d["writebacks"] + d["spills"]
+            evict_rows = d["rewrites"]  # rows written back a second time; the rest: births
             tot["overflow"] += (d["access_overflow"] + d["place_overflow"]) * in_window
         elif policy == "hisparse":
             for lv, x in zip(running, sels):
@@ -505,6 +514,7 @@ def run_level(policy: str, concurrency: int, cfg: Config, requests: list[Request
         if in_window:
             tot["admitted"].append(len(running))
             for key, v in (("acc", acc), ("hit", hit), ("h2d", h2d), ("d2h", d2h),
+                           ("d2h_evict", evict_rows * row),
                            ("ctl", ctl), ("ctl_other", ctl_other), ("attn", attn),
                            ("other", other), ("cpu", cpu), ("tokens", len(running)),
                            ("serial", serial),
@@ -543,12 +553,14 @@ def run_level(policy: str, concurrency: int, cfg: Config, requests: list[Request
     per = lambda key: tot[key] / n * 1e3  # noqa: E731  ms per measured step
     rate = lambda key: tot["tokens"] / max(1e-12, tot[key])  # noqa: E731
     return {**measured,
-            "concurrency": concurrency, "policy": policy,
+            "concurrency": concurrency, "policy": system,
             "gpu_rows": cfg.gpu_rows * s, "host_rows": cfg.host_rows * s,
             "admitted_mean": float(np.mean(tot["admitted"])) if tot["admitted"] else 0.0,
             "admitted_max": int(max(tot["admitted"], default=0)), "steps": tot["steps"],
             "gpu_hit_rate": tot["hit"] / max(1, tot["acc"]),
             "h2d_mb_per_step": tot["h2d"] / n / 1e6, "d2h_mb_per_step": tot["d2h"] / n / 1e6,
+            "d2h_evict_mb_per_step": tot["d2h_evict"] / n / 1e6,
+            "d2h_backup_mb_per_step": (tot["d2h"] - tot["d2h_evict"]) / n / 1e6,
             "control_ms": per("ctl"), "attn_ms": per("attn"), "other_ms": per("other"),
             "pcie_serial_ms": (tot["h2d"] + tot["d2h"]) / n / (cfg.pcie_gbs * 1e9) * 1e3,
             "pcie_duplex_ms": per("pcie_dx"),
@@ -562,13 +574,17 @@ def run_level(policy: str, concurrency: int, cfg: Config, requests: list[Request
 
 # -- equal bytes, tuning, seeds ----------------------------------------------------------------
 ACTIVE_PARAMS_B = {"dsv32": 37.0, "glm5": 40.0}  # activated parameters per token (model cards)
-SYSTEMS = ("ulacache", "hisparse", "resident")
+SYSTEMS = ("ulacache", "ulacache_wb", "hisparse", "resident")
+"""``ulacache_wb``: ulacache with shadows off (``--ulacache-config '{"shadows": false}'``):
+every eviction of a row writes it back, as the paper's exclusive tiers do."""
+POLICY = {"ulacache": "ulacache", "ulacache_wb": "ulacache", "hisparse": "hisparse",
+          "resident": "resident"}  # the simulated system behind each
 
 
 @dataclass(frozen=True)
 class Tuning:
     """One system's knobs: HiSparse ``device_buffer_size`` H and ``host_to_device_ratio`` x;
-    ulacache ``cpu_ratio`` c; resident none."""
+    ulacache ``cpu_ratio`` c (with or without shadows); resident none."""
 
     system: str
     ratio: int = 0
@@ -578,6 +594,8 @@ class Tuning:
     def label(self) -> str:
         if self.system == "hisparse":
             return f"hisparse H={self.h_slots} x={self.ratio}"
+        if self.system == "ulacache_wb":
+            return f"ulacache-wb c={self.ratio}"
         return f"ulacache c={self.ratio}" if self.system == "ulacache" else "resident"
 
 
@@ -606,7 +624,7 @@ def equal_bytes(base: Config, platform: str, model: str, tuning: Tuning, level: 
         extra = capacity.uncharged(inp, "hisparse_dp", tuning.ratio, g)
         # per request slot: the launch's --max-running-requests level (+ SGLang's padding slot)
         extra = {"total": extra["fixed"] + extra["per_request_slot"] * (level + 1)}
-    elif tuning.system == "ulacache":
+    elif POLICY[tuning.system] == "ulacache":
         g = capacity.ulacache_dp_pool(inp, tuning.ratio, running=level)
         cfg = replace(base, **geo, gpu_rows=g, host_rows=tuning.ratio * g)
         extra = capacity.uncharged(replace(inp, running=level), "ulacache_dp", tuning.ratio, g)
@@ -627,7 +645,7 @@ def level_rows(tuning: Tuning, base: Config, platform: str, model: str, levels: 
     for level in levels:
         full, charge = equal_bytes(base, platform, model, tuning, level)
         cfg = replace(full.scaled(base.scale), seed=seed)
-        why = level_refused(tuning.system, cfg, level)
+        why = level_refused(POLICY[tuning.system], cfg, level)
         if why:
             logger.info("%s: %s", tuning.label, why)
             break
@@ -655,7 +673,7 @@ def fair_sweep(base: Config, platform: str, model: str, levels: list[int],
     """Each system tuned on seed 0 (every tuning x level) for each metric's peak (serial,
     duplex, overlap) apart; each metric's best tuning then runs on seeds ``1 .. seeds - 1``;
     the peak ratios per seed and their spread, per metric."""
-    counts = launch_counts(base) if "ulacache" in grids else {}
+    counts = launch_counts(base) if {"ulacache", "ulacache_wb"} & set(grids) else {}
     base = timed_path(base, counts)
     rows: list[dict] = []
     jobs = [(0, t) for ts in grids.values() for t in ts]
@@ -687,14 +705,15 @@ def fair_sweep(base: Config, platform: str, model: str, levels: list[int],
     peaks = {s: [{m: peak(seed_rows[seed][best_by[s][m]], m) for m in METRICS}
                  for seed in range(seeds)] for s in grids}
     ratios = {}
-    for other in ("hisparse", "resident"):
-        if "ulacache" in peaks and other in peaks:
+    for ula, other in (("ulacache", "hisparse"), ("ulacache", "resident"),
+                       ("ulacache_wb", "hisparse"), ("ulacache", "ulacache_wb")):
+        if ula in peaks and other in peaks:
             for m in METRICS:
                 per_seed = [a[m] / b[m] if b[m] else 0.0
-                            for a, b in zip(peaks["ulacache"], peaks[other])]
-                ratios[f"ulacache/{other} {m}"] = {"mean": float(np.mean(per_seed)),
-                                                   "min": min(per_seed), "max": max(per_seed),
-                                                   "per_seed": per_seed}
+                            for a, b in zip(peaks[ula], peaks[other])]
+                ratios[f"{ula}/{other} {m}"] = {"mean": float(np.mean(per_seed)),
+                                                "min": min(per_seed), "max": max(per_seed),
+                                                "per_seed": per_seed}
     if base.real_rows:  # one layer of real rows measured (bench/device_summary.py reads it)
         meas = {s: peak(by_tuning[t], "tokens_per_s_measured") for s, t in best.items()}
         for other in ("hisparse", "resident"):
@@ -742,8 +761,12 @@ ASSUMPTIONS = [
      "spills while a prompt is placed)", "neither clearly: both move about one prompt's rows"),
     ("PCIe serial (H2D + D2H) / 50 GB/s is the headline; duplex max(H2D, D2H) is printed, not "
      "claimed: bench/device_check.sh has not measured duplex swap_rows", "HiSparse "
-     "(its D2H is one backup row per request; ulacache writes back "
-     "evicted rows)"),
+     "(its D2H is one backup row per request; ulacache writes back rows born on the GPU when "
+     "first evicted, and with shadows off every evicted row)"),
+    ("ulacache's shadows live in CPU slots no row holds, reclaimed when a placement needs "
+     "them; ulacache-wb is the same launch with shadows off. D2H is split into eviction "
+     "(rows written back a second time) and backup (a row's first copy to the CPU)",
+     "neither: same pools, same bytes"),
     ("Overlap bound max(compute, PCIe): every transfer hidden behind compute, for both alike; "
      "nothing here prefetches", "ulacache, whose PCIe share is larger"),
     ("Step = control (2 us per counted launch) + sparse-MLA roofline + non-attention roofline "
@@ -787,7 +810,8 @@ def markdown(res: dict) -> str:
                      f"{t['max_admitted']} | {t['peak_tokens_per_s']:,.0f} | "
                      f"{t['uncharged_gpu_bytes'] / 1e9:.2f} |")
     lines += ["", "Best tunings, per level (seed 0):", "",
-              "| level | tuning | admitted | GPU hit | H2D / D2H MB | step ms (ctl + attn + other "
+              "| level | tuning | admitted | GPU hit | H2D / D2H (eviction + backup) MB | step ms "
+              "(ctl + attn + other "
               "+ PCIe serial) | tok/s serial | duplex | overlap |",
               "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     best = set(res["best"].values()) | {t for b in (res.get("best_by_metric") or {}).values()
@@ -797,7 +821,8 @@ def markdown(res: dict) -> str:
             lines.append(
                 f"| {r['concurrency']} | {r['tuning']} | {r['admitted_mean']:.1f} | "
                 f"{r['gpu_hit_rate']:.3f} | {r['h2d_mb_per_step']:.0f} / "
-                f"{r['d2h_mb_per_step']:.0f} | {r['step_ms']:.1f} ({r['control_ms']:.1f} + "
+                f"{r['d2h_evict_mb_per_step']:.0f} + {r['d2h_backup_mb_per_step']:.0f} | "
+                f"{r['step_ms']:.1f} ({r['control_ms']:.1f} + "
                 f"{r['attn_ms']:.1f} + {r['other_ms']:.1f} + {r['pcie_serial_ms']:.1f}) | "
                 f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s_duplex']:,.0f} | "
                 f"{r['tokens_per_s_overlap']:,.0f} |")
@@ -931,6 +956,7 @@ def main(argv: list[str] | None = None) -> int:
         grids = {"hisparse": [Tuning("hisparse", x, h) for h in _ints(a.hs_buffers)
                               for x in _ints(a.hs_ratios)],
                  "ulacache": [Tuning("ulacache", c) for c in _ints(a.ula_ratios)],
+                 "ulacache_wb": [Tuning("ulacache_wb", c) for c in _ints(a.ula_ratios)],
                  "resident": [Tuning("resident")]}
     except ValueError as e:
         ap.error(f"lists are comma-separated integers: {e}")

@@ -59,9 +59,11 @@ INTERPRETED = triton is not None and isinstance(tl.standard.sum, InterpretedFunc
 """Whether the kernels run under Triton's interpreter (fixed when Triton was imported)."""
 
 __all__ = ["available", "FusedAccess", "launch", "launches_recorded", "launch_count",
-           "in_launch", "translate", "equivalence_state", "LAUNCHES_PER_CALL"]
+           "in_launch", "translate", "equivalence_state", "LAUNCHES_PER_CALL",
+           "LAUNCHES_PER_PLACE"]
 
 LAUNCHES_PER_CALL = 4
+LAUNCHES_PER_PLACE = 5  # with shadows: their reclaim (one program) before K1..K4
 _launches = 0
 _launching = False
 _interpreter_lock = threading.Lock()  # the interpreter's grid state is process-global
@@ -124,7 +126,8 @@ _interpreter_lock = threading.Lock()  # the interpreter's grid state is process-
 
 COUNTER_COLUMNS = {"accesses": 0, "gpu_hits": 1, "promotions": 2, "writebacks": 3,
                    "placed": 4, "spills": 5, "released_gpu": 6, "released_cpu": 7,
-                   "access_overflow": 8, "place_overflow": 9, "invalid": 10}
+                   "access_overflow": 8, "place_overflow": 9, "invalid": 10, "remaps": 11,
+                   "shadowed": 12, "reclaims": 13, "shadows_released": 14, "rewrites": 15}
 """Columns of ``ulacache.group.COUNTERS`` the kernels add to (a test holds them equal)."""
 
 if triton is not None:
@@ -133,8 +136,12 @@ if triton is not None:
     C_WRITEBACKS, C_PLACED, C_SPILLS = _c["writebacks"], _c["placed"], _c["spills"]
     C_ACCESS_OVERFLOW, C_PLACE_OVERFLOW = _c["access_overflow"], _c["place_overflow"]
     C_INVALID = _c["invalid"]
-    # status bits of each entry (int32 scratch between the launches)
-    KEEP, FIRST, WANT, MOVED, INVALID = (tl.constexpr(1 << b) for b in range(5))
+    C_REMAPS, C_SHADOWED, C_REWRITES = _c["remaps"], _c["shadowed"], _c["rewrites"]
+    C_RECLAIMS = _c["reclaims"]
+    # status bits of each entry (int32 scratch between the launches); BACK: a placement's
+    # victim remapped to its shadow, whose popped CPU slot goes back to the stack in K4
+    KEEP, FIRST, WANT, MOVED, INVALID, BACK = (tl.constexpr(1 << b) for b in range(6))
+    WAS_ON_CPU = tl.constexpr(-2)  # ulacache.group.WAS_ON_CPU; BORN is -1
     INVALID_ROW = tl.constexpr(-2)  # ulacache.tp.INVALID_ROW: a TP owner's "not stored"
     NO_CLAIM = tl.constexpr(2**63 - 1)
     FREE = tl.constexpr(-(2**62))
@@ -238,7 +245,8 @@ if triton is not None:
         tl.store(status + i, st, mask=live)
 
     @triton.jit
-    def _k2_first_touch(local, claim, phys_in, status, block_want, victim_out, counters,
+    def _k2_first_touch(local, claim, phys_in, status, block_want, block_took, block_back,
+                        victim_out, counters,
                         bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr,
                         epoch_ptr, entered, n, N, G, W1, S1, H1,
                         PLACE: tl.constexpr, NB: tl.constexpr, HY: tl.constexpr,
@@ -269,6 +277,8 @@ if triton is not None:
         st = st | tl.where(first, FIRST, 0) | tl.where(want, WANT, 0)
         tl.store(status + i, st, mask=live)
         tl.store(block_want + pid, tl.sum(want.to(tl.int32)))
+        tl.store(block_took + pid, 0)  # K3 counts into these
+        tl.store(block_back + pid, 0)
         tl.store(victim_out + i, tl.full(a.shape, -1, tl.int64), mask=live)  # K3: wants only
 
     @triton.jit
@@ -319,12 +329,14 @@ if triton is not None:
         return tl.where(sel, word.to(tl.int64) * 63 + bit, -1)
 
     @triton.jit
-    def _k3_victims_move(local, phys_in, status, block_want, victim_out, counters,
+    def _k3_victims_move(local, phys_in, status, block_want, block_took, block_back, top_saved,
+                         victim_out, counters,
                          bits, counts, supc, hypc, rowc, epoch_ptr,
-                         loc, gpu_owner, cpu_owner, cpu_free, cpu_top,
+                         loc, gpu_owner, cpu_owner, shadow, cpu_free, cpu_top,
                          gpu_pool, cpu_pool, g_sl, g_sr, c_sl, c_sr,
                          n, G, C, W1, S1, H1, NS, NH, n_blocks,
-                         PLACE: tl.constexpr, NB: tl.constexpr, RP: tl.constexpr,
+                         PLACE: tl.constexpr, SHADOWS: tl.constexpr,
+                         NB: tl.constexpr, RP: tl.constexpr,
                          L: tl.constexpr, RW: tl.constexpr, HP: tl.constexpr,
                          HY: tl.constexpr, HYP2: tl.constexpr,
                          BP: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
@@ -334,6 +346,8 @@ if triton is not None:
         run = tl.sum(tl.load(block_want + b, mask=b < pid, other=0))  # wants before this entry
         epoch_t, tot, total, n_free = victim_order(rowc, epoch_ptr, NB, RP)
         top = tl.load(cpu_top)
+        if PLACE or SHADOWS:
+            tl.store(top_saved, top, mask=pid == 0)  # K4 rebuilds the stack from it
         # SUB entries at a time: the search tiles are [SUB, <= 128] (no register spills)
         for c in range(0, BLOCK, SUB):
             i = pid * BLOCK + c + tl.arange(0, SUB)
@@ -349,80 +363,162 @@ if triton is not None:
                 vs = tl.where(ok, victim, G)
                 owner = tl.load(gpu_owner + vs, mask=ok, other=-1)
                 occupied = ok & (owner >= 0)
+                had = tl.load(shadow + vs, mask=occupied, other=-1).to(tl.int64)
+                remap = occupied & (had >= 0)  # evicted onto its shadow: nothing copied out
+                copy_out = occupied & ~remap  # a write-back (place: a spill)
                 a = tl.load(local + i, mask=live, other=-1)
-                if PLACE:
-                    # an occupied victim spills to a popped CPU slot (pop order = rank order)
+                if PLACE or SHADOWS:
+                    # every occupied victim takes the next free-stack position (pop order =
+                    # rank order); a remapped one hands it back in K4
                     pos = top - 1 - (rank - n_free)
-                    moved = occupied & (pos >= 0)
-                    cslot = tl.load(cpu_free + tl.where(moved, pos, 0), mask=moved,
-                                    other=C)
-                    ok = ok & (~occupied | moved)
+                    took = occupied & (pos >= 0)
+                    popped = tl.load(cpu_free + tl.where(took, pos, 0), mask=took, other=C)
+                    back = took & remap
+                    # this block's stack positions taken and handed back (zeroed by K2;
+                    # atomics rather than loop-carried sums keep K3 in registers)
+                    tl.atomic_add(block_took + pid, tl.sum(took.to(tl.int32)), sem="relaxed")
+                    tl.atomic_add(block_back + pid, tl.sum(back.to(tl.int32)), sem="relaxed")
+                if PLACE:
+                    copy_out = copy_out & took  # no free CPU slot: the row is not placed
+                    cslot = tl.where(copy_out, popped, C)
+                    dst = cslot
+                    ok = ok & (~occupied | remap | copy_out)
                     victim = tl.where(ok, victim, -1)
+                    moved = copy_out
                 else:
                     cslot = tl.where(ok, tl.load(phys_in + i, mask=ok, other=G) - G, C)
-                    moved = ok & ~occupied  # the vacated CPU slot goes back to the stack
+                    if SHADOWS:
+                        into_free = copy_out & took  # the victim goes to a free CPU slot ...
+                        swap = copy_out & ~took  # ... else to the one its promoted row vacates
+                        keep = ok & ~swap  # the vacated slot stays the promoted row's shadow
+                        dst = tl.where(into_free, popped, cslot)
+                    else:
+                        into_free = ok & (i < 0)
+                        swap = copy_out
+                        keep = into_free
+                        dst = cslot
+                    moved = ok & ~occupied & ~keep  # the vacated CPU slot goes back (push)
                 # -- data first: every layer of the group
                 for layer in range(L):
                     for c0 in range(0, RW, CHUNK):
                         cc = c0 + tl.arange(0, CHUNK)[None, :]
                         cm = cc < RW
                         gp = gpu_pool + layer * g_sl + vs[:, None] * g_sr + cc
-                        cp = cpu_pool + layer * c_sl + cslot[:, None] * c_sr + cc
+                        dp = cpu_pool + layer * c_sl + dst[:, None] * c_sr + cc
                         if PLACE:
-                            tl.store(cp, tl.load(gp, mask=moved[:, None] & cm),
-                                     mask=moved[:, None] & cm)
-                        else:  # swap, or a single copy into a free victim slot
-                            out_row = tl.load(gp, mask=occupied[:, None] & cm)
+                            tl.store(dp, tl.load(gp, mask=copy_out[:, None] & cm),
+                                     mask=copy_out[:, None] & cm)
+                        else:  # write-back and promotion, or a single copy
+                            cp = cpu_pool + layer * c_sl + cslot[:, None] * c_sr + cc
+                            out_row = tl.load(gp, mask=copy_out[:, None] & cm)
                             in_row = tl.load(cp, mask=ok[:, None] & cm)
                             tl.store(gp, in_row, mask=ok[:, None] & cm)
-                            tl.store(cp, out_row, mask=occupied[:, None] & cm)
+                            tl.store(dp, out_row, mask=copy_out[:, None] & cm)
                 # -- then the mapping
+                evicted = copy_out | remap
+                tl.store(loc + tl.where(evicted, owner, 0),
+                         tl.where(copy_out, G + dst, G + had), mask=evicted)
+                tl.store(cpu_owner + dst, owner, mask=copy_out)
+                tl.atomic_add(counters + C_REMAPS, tl.sum(remap.to(tl.int64)), sem="relaxed")
+                tl.atomic_add(counters + C_REWRITES,
+                              tl.sum((copy_out & (had == WAS_ON_CPU)).to(tl.int64)),
+                              sem="relaxed")
                 if PLACE:
-                    tl.store(loc + tl.where(moved, owner, 0), G + cslot, mask=moved)
-                    tl.store(cpu_owner + cslot, owner, mask=moved)
+                    tl.store(shadow + vs, tl.full(vs.shape, -1, tl.int32), mask=ok)
                     tl.atomic_add(counters + C_PLACED, tl.sum(ok.to(tl.int64)), sem="relaxed")
-                    tl.atomic_add(counters + C_SPILLS, tl.sum(moved.to(tl.int64)),
+                    tl.atomic_add(counters + C_SPILLS, tl.sum(copy_out.to(tl.int64)),
                                   sem="relaxed")
                     tl.atomic_add(counters + C_PLACE_OVERFLOW,
                                   tl.sum((want & ~ok).to(tl.int64)), sem="relaxed")
                 else:
-                    tl.store(loc + tl.where(occupied, owner, 0), G + cslot, mask=occupied)
-                    tl.store(cpu_owner + cslot, tl.where(occupied, owner, -1), mask=ok)
+                    tl.store(cpu_owner + cslot, tl.where(keep, a, -1), mask=ok & ~swap)
+                    tl.store(shadow + vs, tl.where(keep, cslot, WAS_ON_CPU).to(tl.int32),
+                             mask=ok)
                     tl.store(cpu_free + top + rank, cslot, mask=moved)
                     tl.atomic_add(counters + C_PROMOTIONS, tl.sum(ok.to(tl.int64)),
                                   sem="relaxed")
-                    tl.atomic_add(counters + C_WRITEBACKS, tl.sum(occupied.to(tl.int64)),
+                    tl.atomic_add(counters + C_WRITEBACKS, tl.sum(copy_out.to(tl.int64)),
+                                  sem="relaxed")
+                    tl.atomic_add(counters + C_SHADOWED, tl.sum(keep.to(tl.int64)),
                                   sem="relaxed")
                     tl.atomic_add(counters + C_ACCESS_OVERFLOW,
                                   tl.sum((want & ~ok).to(tl.int64)), sem="relaxed")
                 tl.store(loc + tl.where(ok, a, 0), victim, mask=ok)
                 tl.store(gpu_owner + vs, a, mask=ok)
                 tl.store(victim_out + i, victim, mask=want)
-                tl.store(status + i, st | MOVED, mask=moved)
+                if PLACE or SHADOWS:
+                    # K4 hands these slots back (phys_in was read above: cslot)
+                    tl.store(phys_in + i, popped, mask=back)
+                    tl.store(status + i, st | tl.where(moved, MOVED, 0) | tl.where(back, BACK, 0),
+                             mask=moved | back)
+                else:
+                    tl.store(status + i, st | MOVED, mask=moved)
 
     @triton.jit
-    def _k4_assign_translate(local, status, victim_in, out, loc, cpu_top,
+    def _k4_assign_translate(local, status, victim_in, out, loc, cpu_top, cpu_free, popped_in,
+                             block_took, block_back, top_saved,
                              bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr,
-                             epoch_ptr, entered, n, N, G, W1, S1, H1, row_base,
-                             PLACE: tl.constexpr, NB: tl.constexpr, HY: tl.constexpr,
-                             BLOCK: tl.constexpr):
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+                             epoch_ptr, entered, n, N, G, W1, S1, H1, row_base, n_blocks,
+                             PLACE: tl.constexpr, SHADOWS: tl.constexpr, NB: tl.constexpr,
+                             HY: tl.constexpr, BP: tl.constexpr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        i = pid * BLOCK + tl.arange(0, BLOCK)
         live = i < n
         victim = tl.load(victim_in + i, mask=live, other=-1)
         touch_slots(bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr, epoch_ptr,
                entered, victim, victim >= 0, W1, S1, H1, NB, HY, True)
         st = tl.load(status + i, mask=live, other=0)
-        moved = tl.sum(((st & MOVED) != 0).to(tl.int64))
-        if PLACE:
-            tl.atomic_add(cpu_top, -moved, sem="relaxed")
-        else:
-            tl.atomic_add(cpu_top, moved, sem="relaxed")
+        if PLACE or SHADOWS:
+            # K3 took stack positions [top - took, top) in victim order; the slots of remapped
+            # victims go back to the bottom of that range, in entry order (no atomics: every
+            # program computes the same totals, program 0 moves the pointer)
+            b = tl.arange(0, BP)
+            took = tl.sum(tl.load(block_took + b, mask=b < n_blocks, other=0)).to(tl.int64)
+            back_all = tl.sum(tl.load(block_back + b, mask=b < n_blocks, other=0)).to(tl.int64)
+            before = tl.sum(tl.load(block_back + b, mask=b < pid, other=0)).to(tl.int64)
+            base = tl.load(top_saved) - took
+            back = (st & BACK) != 0
+            dest = base + before + tl.cumsum(back.to(tl.int64), 0) - 1
+            tl.store(cpu_free + dest, tl.load(popped_in + i, mask=back, other=0), mask=back)
+            tl.store(cpu_top, base + back_all, mask=pid == 0)
+        else:  # access without shadows: promotions into free GPU slots pushed their CPU slot
+            tl.atomic_add(cpu_top, tl.sum(((st & MOVED) != 0).to(tl.int64)), sem="relaxed")
+        if not PLACE:
             keep = (st & KEEP) != 0
             a = tl.load(local + i, mask=keep, other=N)
             rows = tl.load(loc + tl.where(keep, a, N), mask=keep, other=-1)
             rows = tl.where(keep & (rows >= 0) & (rows < G), rows + row_base, -1)
             rows = tl.where((st & INVALID) != 0, INVALID_ROW, rows)  # TP stripes only
             tl.store(out + i, rows.to(tl.int32), mask=live)
+
+    @triton.jit
+    def _reclaim(shadow, cpu_owner, cpu_free, cpu_top, cursor, counters, need, G,
+                 BLOCK: tl.constexpr):
+        """One program: shadows back to the CPU free stack until it holds ``need`` slots,
+        scanning GPU slots from ``cursor`` (wrapping) only until enough were found."""
+        top = tl.load(cpu_top)
+        short = tl.maximum(need - top, 0)
+        start = tl.load(cursor)
+        taken = tl.sum(tl.zeros([BLOCK], tl.int64))
+        last = taken - 1
+        j0 = taken
+        while (taken < short) & (j0 < G):
+            j = j0 + tl.arange(0, BLOCK).to(tl.int64)
+            inr = j < G
+            slot = (start + j) % G
+            had = tl.load(shadow + slot, mask=inr, other=-1).to(tl.int64)
+            live = inr & (had >= 0)
+            rank = taken + tl.cumsum(live.to(tl.int64), 0)  # 1-based, in scan order
+            take = live & (rank <= short)
+            tl.store(cpu_free + top + rank - 1, had, mask=take)
+            tl.store(cpu_owner + had, tl.full(had.shape, -1, tl.int64), mask=take)
+            tl.store(shadow + slot, tl.full(slot.shape, WAS_ON_CPU, tl.int32), mask=take)
+            taken += tl.sum(take.to(tl.int64))
+            last = tl.maximum(last, tl.max(tl.where(take, j, -1)))
+            j0 += BLOCK
+        tl.store(cpu_top, top + taken)
+        tl.store(cursor, tl.where(last >= 0, (start + last + 1) % G, start))
+        tl.atomic_add(counters + C_RECLAIMS, taken, sem="relaxed")
 
     @triton.jit
     def _translate(addrs, loc, out, n, N, G, row_base, BLOCK: tl.constexpr):
@@ -471,7 +567,7 @@ class Scratch:
         self.cap = -(-max(1, int(capacity)) // block) * block
         self.tensors: tuple[torch.Tensor, ...] = (
             *(torch.empty(self.cap, dtype=d, device=device) for d in self.dtypes),
-            torch.empty(self.cap // block, dtype=torch.int32, device=device))
+            torch.empty(3 * (self.cap // block), dtype=torch.int32, device=device))
 
     def get(self, n: int) -> tuple[torch.Tensor, ...]:
         if n > self.cap:
@@ -515,6 +611,7 @@ class FusedAccess:
         if self.shared_scratch.dtypes != SCRATCH_DTYPES or \
                 self.shared_scratch.block != self.BLOCK:
             raise ValueError("a fused access scratch needs SCRATCH_DTYPES per BLOCK entries")
+        self.top_saved = torch.zeros((), dtype=torch.int64, device=tables.device)  # K3 -> K4
         self.gpu_words = _word_view(tables.gpu)
         self.cpu_words = _word_view(tables.cpu)
         if self.gpu_words.dtype != self.cpu_words.dtype:  # one element type per copy loop
@@ -522,7 +619,7 @@ class FusedAccess:
 
     def scratch(self, n: int) -> tuple[torch.Tensor, ...]:
         """(local address int64 [n], phys int64 [n], status int32 [n], victim int64 [n],
-        per-block wants int32 [>= blocks])."""
+        per-block counts int32 [3 x cap / BLOCK]: wants, stack positions taken, handed back)."""
         return self.shared_scratch.get(n)
 
     def _policy_args(self):
@@ -542,7 +639,10 @@ class FusedAccess:
         if n == 0:
             return
         P, rank, n_global = stripe if stripe is not None else (1, 0, g.n_logical)
-        local, phys, status, victim, block_want = self.scratch(n)
+        local, phys, status, victim, blocks = self.scratch(n)
+        nblk = self.shared_scratch.cap // self.BLOCK
+        block_want, block_took, block_back = blocks[:nblk], blocks[nblk:2 * nblk], \
+            blocks[2 * nblk:]
         if victim_out is not None:
             victim = victim_out
         grid = (-(-n // self.BLOCK),)
@@ -552,22 +652,33 @@ class FusedAccess:
         mode = dict(PLACE=place, BLOCK=self.BLOCK)
         launch(_k1_claim, grid, addrs, local, g.loc, g.claim, phys, status, g.counters, n, N,
                 n_global, rank, TPP=P, **mode)
-        launch(_k2_first_touch, grid, local, g.claim, phys, status, block_want, victim,
+        launch(_k2_first_touch, grid, local, g.claim, phys, status, block_want, block_took,
+                block_back, victim,
                 g.counters,
                 *pol, *stamps, n, N, G, self.w1, self.s1, self.h1, NB=self.nb, HY=p.hyper,
                 **mode)
         gw, cw = self.gpu_words, self.cpu_words
-        launch(_k3_victims_move, grid, local, phys, status, block_want, victim, g.counters,
-                *pol, p.epoch_t, g.loc, g.gpu_owner, g.cpu_owner, g.cpu_free,
+        launch(_k3_victims_move, grid, local, phys, status, block_want, block_took, block_back,
+                self.top_saved, victim, g.counters,
+                *pol, p.epoch_t, g.loc, g.gpu_owner, g.cpu_owner, g.shadow, g.cpu_free,
                 g.cpu_top, gw, cw, gw.stride(0), gw.stride(1),
                 cw.stride(0), cw.stride(1), n, G, C, self.w1, self.s1, self.h1, p.n_super,
                 p.n_hyper, grid[0], NB=self.nb, RP=self.rp, L=gw.shape[0], RW=gw.shape[2],
                 HP=self.hp, HY=p.hyper, HYP2=pow2(p.hyper), BP=pow2(grid[0]),
-                CHUNK=self.CHUNK, SUB=self.SUB, **mode)
+                CHUNK=self.CHUNK, SUB=self.SUB, SHADOWS=g.shadows, **mode)
         launch(_k4_assign_translate, grid, local, status, victim,
-                out if out is not None else status, g.loc, g.cpu_top, *pol, *stamps,
-                n, N, G, self.w1, self.s1, self.h1, row_base, NB=self.nb, HY=p.hyper, **mode)
+                out if out is not None else status, g.loc, g.cpu_top, g.cpu_free, phys,
+                block_took, block_back, self.top_saved, *pol, *stamps,
+                n, N, G, self.w1, self.s1, self.h1, row_base, grid[0], NB=self.nb, HY=p.hyper,
+                BP=pow2(grid[0]), SHADOWS=g.shadows, **mode)
 
+
+    def reclaim(self, need: int) -> None:
+        """Shadows back to the free stack until it holds ``need`` slots: one launch of one
+        program (``ulacache.group.SelectionGroup.reclaim``; a placement's fifth launch)."""
+        g = self.g
+        launch(_reclaim, (1,), g.shadow, g.cpu_owner, g.cpu_free, g.cpu_top, g.reclaim_cursor,
+               g.counters, need, g.gpu_slots, BLOCK=1024)
 
     def translate(self, addrs: torch.Tensor, out: torch.Tensor, row_base: int = 0
                   ) -> torch.Tensor:
@@ -589,15 +700,16 @@ def translate(loc: torch.Tensor, addrs: torch.Tensor, out: torch.Tensor, n_logic
 def equivalence_state(group, pools: bool = True) -> dict[str, torch.Tensor]:
     """Every piece of a group's state the fused and torch paths must leave equal (tests and
     bench/access_bench.py compare two groups with it): mapping, owners, CPU free stack,
-    counters, claim table, every PB-LRU level, stamps and (``pools``) the rows. Scratch
-    entries are left out: the torch path's masked writes land there and nothing reads them.
+    counters, claim table, shadow table, every PB-LRU level, stamps and (``pools``) the rows.
+    Scratch entries are left out: the torch path's masked writes land there and nothing reads them.
     ``group``: a :class:`ulacache.state.GroupTables` or anything with ``tables``. Host-side
     (reads the stack pointer)."""
     g = getattr(group, "tables", group)
     p, G, C = g.policy, g.gpu_slots, g.cpu_slots
     top = int(g.cpu_top)
     out = {
-        "loc": g.loc, "gpu_owner": g.gpu_owner, "cpu_owner": g.cpu_owner,
+        "loc": g.loc, "gpu_owner": g.gpu_owner, "cpu_owner": g.cpu_owner[:C],
+        "shadow": g.shadow[:G], "reclaim_cursor": g.reclaim_cursor,
         "cpu_top": g.cpu_top, "cpu_free": g.cpu_free[:top],
         "cpu_free_scratch": g.cpu_free[C:], "counters": g.counters, "claim": g.claim,
         "bits": p.bits[:, : p.n_words], "counts": p.counts[:, : p.n_words],

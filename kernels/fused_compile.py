@@ -46,13 +46,16 @@ def record_launches(n_layers: int = 2, gpu_slots: int = 4096, row_bytes: int = 6
     def record(kernel, grid, *args, **meta):
         calls.append((kernel, args, meta))
 
-    group = SelectionGroup(list(range(n_layers)), gpu_slots * 4, gpu_slots, gpu_slots * 2,
-                           row_bytes, "cpu", "pblru", 64, False, access_path="torch",
-                           max_call=shape[0] * shape[1])
+    group, no_shadows = (
+        SelectionGroup(list(range(n_layers)), gpu_slots * 4, gpu_slots, gpu_slots * 2,
+                       row_bytes, "cpu", "pblru", 64, False, access_path="torch",
+                       max_call=shape[0] * shape[1], shadows=shadows) for shadows in (True, False))
     fused = fa.FusedAccess(group.tables)
     with fa.launches_recorded(record):
         addrs = torch.zeros(shape, dtype=torch.int64).view(-1)
         fused.run(addrs, place=False, out=torch.empty(addrs.shape, dtype=torch.int32))
+        fa.FusedAccess(no_shadows.tables).run(  # the access without shadows is another kernel
+            addrs, place=False, out=torch.empty(addrs.shape, dtype=torch.int32))
         fused.run(addrs, place=True, victim_out=torch.empty(addrs.shape, dtype=torch.int64))
         fused.translate(addrs.to(torch.int32), torch.empty(addrs.shape, dtype=torch.int32))
         fused.run(addrs, place=False, out=torch.empty(addrs.shape, dtype=torch.int32),
@@ -67,7 +70,7 @@ def record_launches(n_layers: int = 2, gpu_slots: int = 4096, row_bytes: int = 6
         gates.claim_first(addrs)
         gates.run(addrs, torch.empty(8, addrs.numel(), dtype=torch.int32), own,
                   torch.empty(addrs.shape, dtype=torch.int32), torch.zeros(9, dtype=torch.int64),
-                  torch.zeros(11, dtype=torch.int64))
+                  torch.zeros(len(fa.COUNTER_COLUMNS), dtype=torch.int64))
         from ulacache.pblru import PBLRUArena
 
         from . import fused_policy

@@ -10,8 +10,9 @@ split where a grid-wide order is needed:
 R1    every in-range entry claims its address: ``atomic_min(claim[addr], position)``
       (``fused_access.claim_in_range``, shared with the TP gates' G1)
 R2    first occurrence (the first resets the claim); invalid entries counted; dropped rows
-      unmapped (mapping, owners); GPU slots released in the policy (bit to the free row,
-      stamps freed); per-block counts of CPU slots to push; the stack pointer snapshot
+      unmapped (mapping, owners, a GPU row's shadow); GPU slots released in the policy (bit
+      to the free row, stamps freed); per-block counts of CPU slots to push; the stack
+      pointer snapshot
 R3    rank of each CPU push (prefix of the block counts + in-block cumsum): ``cpu_free[top +
       rank] = slot``, then the pointer moves by the block's count (positions come from the
       snapshot, so no program reads a moved pointer)
@@ -37,9 +38,10 @@ if triton is not None:
     C_INVALID = tl.constexpr(COUNTER_COLUMNS["invalid"])
     C_RELEASED_GPU = tl.constexpr(COUNTER_COLUMNS["released_gpu"])
     C_RELEASED_CPU = tl.constexpr(COUNTER_COLUMNS["released_cpu"])
+    C_SHADOWS_RELEASED = tl.constexpr(COUNTER_COLUMNS["shadows_released"])
 
     @triton.jit
-    def _r2_drop(addrs, claim, loc, gpu_owner, cpu_owner, cslot_out, block_push, cpu_top,
+    def _r2_drop(addrs, claim, loc, gpu_owner, cpu_owner, shadow, cslot_out, block_push, cpu_top,
                  top0, counters, bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr,
                  epoch_ptr, n, N, G, C, W1, S1, H1, NB: tl.constexpr, HY: tl.constexpr,
                  BLOCK: tl.constexpr):
@@ -59,8 +61,15 @@ if triton is not None:
         tl.store(loc + safe, tl.full(safe.shape, -1, tl.int64), mask=drop)
         tl.store(gpu_owner + tl.where(on_gpu, phys, G), tl.full(safe.shape, -1, tl.int64),
                  mask=on_gpu)
-        tl.store(cpu_owner + tl.where(on_cpu, phys - G, C), tl.full(safe.shape, -1, tl.int64),
-                 mask=on_cpu)
+        # a GPU row's shadow is freed with it
+        had = tl.load(shadow + tl.where(on_gpu, phys, G), mask=on_gpu, other=-1).to(tl.int64)
+        shadowed = on_gpu & (had >= 0)
+        cslot = tl.where(on_cpu, phys - G, tl.where(shadowed, had, -1))
+        push = cslot >= 0
+        tl.store(shadow + tl.where(on_gpu, phys, G), tl.full(safe.shape, -1, tl.int32),
+                 mask=on_gpu)
+        tl.store(cpu_owner + tl.where(push, cslot, C), tl.full(safe.shape, -1, tl.int64),
+                 mask=push)
         # PBLRU.release: a used slot's bit moves to the free row, its stamps become free
         slot = tl.where(on_gpu, phys, 0)
         old = bucket_row_of(tl.load(round_of + slot, mask=on_gpu, other=0),
@@ -70,13 +79,15 @@ if triton is not None:
         move_slots(bits, counts, supc, hypc, rowc, slot, old, 0, move, W1, S1, H1, HY)
         tl.store(round_of + slot, tl.full(slot.shape, FREE, tl.int64), mask=move)
         tl.store(epoch_of + slot, tl.full(slot.shape, FREE, tl.int64), mask=move)
-        tl.store(cslot_out + i, tl.where(on_cpu, phys - G, -1), mask=live)
-        tl.store(block_push + pid, tl.sum(on_cpu.to(tl.int32)))
+        tl.store(cslot_out + i, cslot, mask=live)
+        tl.store(block_push + pid, tl.sum(push.to(tl.int32)))
         if pid == 0:  # R3 places pushes from this snapshot while it moves the pointer
             tl.store(top0, tl.load(cpu_top))
         tl.atomic_add(counters + C_INVALID, tl.sum(bad.to(tl.int64)), sem="relaxed")
         tl.atomic_add(counters + C_RELEASED_GPU, tl.sum(on_gpu.to(tl.int64)), sem="relaxed")
         tl.atomic_add(counters + C_RELEASED_CPU, tl.sum(on_cpu.to(tl.int64)), sem="relaxed")
+        tl.atomic_add(counters + C_SHADOWS_RELEASED, tl.sum(shadowed.to(tl.int64)),
+                      sem="relaxed")
 
     @triton.jit
     def _r3_push(cslot_in, block_push, cpu_free, cpu_top, top0, n, n_blocks,
@@ -125,7 +136,7 @@ class FusedRelease:
         N, G, C = g.n_logical, g.gpu_slots, g.cpu_slots
         launch = fused_access.launch  # looked up per call: fused_compile records launches
         launch(claim_in_range, grid, addrs, g.claim, n, N, BLOCK=self.BLOCK)
-        launch(_r2_drop, grid, addrs, g.claim, g.loc, g.gpu_owner, g.cpu_owner, cslot,
+        launch(_r2_drop, grid, addrs, g.claim, g.loc, g.gpu_owner, g.cpu_owner, g.shadow, cslot,
                block_push, g.cpu_top, self._top0, g.counters, p.bits, p.counts,
                p.super_counts, p.hyper_counts, p.row_counts, p.round_of, p.epoch_of,
                p.round_t, p.epoch_t, n, N, G, C, self.w1, self.s1, self.h1,

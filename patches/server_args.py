@@ -68,6 +68,7 @@ _ULACACHE_CONFIG_HELP = (
     "(ulacache.config.SGLangOptions): mode (dp|tp, default dp), cpu_ratio (CPU slots per GPU "
     "slot, 4), n_buckets (PB-LRU recent buckets, 64), policy (pblru|lru), validate (host "
     "checks every step, false), access_path (auto|torch|fused, auto: fused on CUDA), "
+    "shadows (promoted rows keep their CPU copy so evicting them writes nothing back, true), "
     "call_entries (entries per kernel call, its scratch allocated once; default GPU pool + "
     "buffer + 8192: prefill page tables are translated in pieces of it); mode tp "
     "adds buffer_slots and shard_indexer. Example: "

@@ -184,7 +184,7 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
             cpu_slots=(int(host_to_device_ratio) - 1) * gpu_slots, page_size=self.page_size,
             max_requests=max(1, max_running_requests or 1), n_buckets=opts.n_buckets,
             policy=opts.policy, validate=opts.validate, access_path=opts.access_path,
-            call_entries=opts.call_entries, **tp)
+            call_entries=opts.call_entries, shadows=opts.shadows, **tp)
 
     def _create_buffers(self) -> None:
         """One ``uint8 [L_g, R, row_bytes]`` tensor per selection group, so a group's layers

@@ -8,6 +8,7 @@
     python tests/mutants.py hostile    # refusals and TP verdicts (test_hostile_calls.py)
     python tests/mutants.py pieces     # calls over the scratch (test_core, test_fused_access)
     python tests/mutants.py distinct   # a prefill table's distinct-address access
+    python tests/mutants.py shadows fused_shadows  # evictions without write-back
 
 Copies the repository to a temporary directory, applies each mutant below (one line of the core
 changed the way a tired engineer might), runs the core tests there twice with the derandomized
@@ -42,8 +43,8 @@ MUTANTS = [  # (file, original, mutant, what it models)
      "place: masked writes land on the last address"),
     (G, "inrange = (flat >= 0) & (flat < self.n_logical)",
      "inrange = (flat >= 0) & (flat <= self.n_logical)", "the scratch entry counted in range"),
-    (L, "got = want & (pos >= 0)", "got = want", "a pop from a dry CPU free stack"),
-    (G, "ok = (slot >= 0) & ((owner < 0) | spill)", "ok = slot >= 0",
+    (G, "took = occupied & (pos >= 0)", "took = occupied", "a pop from a dry CPU free stack"),
+    (G, "ok = (slot >= 0) & (~occupied | remap | spill)", "ok = slot >= 0",
      "placement ignores a failed spill"),
     (G, "first = self._first(safe, inrange)\n        bad = ((flat",
      "first = inrange\n        bad = ((flat", "release without dedup"),
@@ -57,8 +58,9 @@ MUTANTS = [  # (file, original, mutant, what it models)
     (P, "row = torch.where(self.epoch_t - epoch_of >= self.n_buckets, 1, recent)",
      "row = torch.where(self.epoch_t - epoch_of > self.n_buckets, 1, recent)", "cold boundary"),
     (G, "        self.policy.touch(hit_slots)\n", "", "hits not pinned"),
-    (G, "cslot = self.pools.pop_cpu((slot >= 0) & (owner >= 0))",
-     "cslot = self.pools.pop_cpu(slot >= 0)", "a CPU slot popped for a free victim"),
+    (G, "took, popped = self._pop_in_victim_order(occupied)",
+     "took, popped = self._pop_in_victim_order(slot >= 0)",
+     "a CPU slot popped for a free victim"),
     (G, "self.pools.push_cpu(torch.where(ok & ~owned, cslot, -1))",
      "self.pools.push_cpu(torch.where(ok, cslot, -1))", "a vacated CPU slot freed after a swap"),
     (P, "go = (self.entered >= self.bucket_fill).to(torch.int64)",
@@ -114,7 +116,7 @@ FUSED_MUTANTS = [  # the fused kernels, checked against the torch path by test_f
      "rank = run + tl.cumsum(want.to(tl.int32), 0)", "fused: miss rank off by one"),
     (F, "            run += tl.sum(want.to(tl.int32))\n", "",
      "fused: ranks restart in every sub-block"),
-    (F, "mask=b < pid, other=0", "mask=b <= pid, other=0",
+    (F, "block_want + b, mask=b < pid, other=0", "block_want + b, mask=b <= pid, other=0",
      "fused: block prefix counts its own block"),
     (F, "sb = hb * HY + sb", "sb = hb * (HY - 1) + sb", "fused: hyper block offset"),
     (F, "hyp = sup // HY", "hyp = sup // (HY + 1)", "fused: hyper counts of the wrong block"),
@@ -123,10 +125,11 @@ FUSED_MUTANTS = [  # the fused kernels, checked against the torch path by test_f
      "tl.store(cpu_free + top + rank + 1, cslot, mask=moved)", "fused: push off by one"),
     (F, "pos = top - 1 - (rank - n_free)", "pos = top - (rank - n_free)",
      "fused: pop off by one"),
-    (F, "ok = ok & (~occupied | moved)", "ok = ok", "fused: placement ignores a failed spill"),
-    (F, "                        tl.store(cp, out_row, mask=occupied[:, None] & cm)\n", "",
+    (F, "ok = ok & (~occupied | remap | copy_out)", "ok = ok",
+     "fused: placement ignores a failed spill"),
+    (F, "                            tl.store(dp, out_row, mask=copy_out[:, None] & cm)\n", "",
      "fused: the victim's row is not written back"),
-    (F, "moved = ok & ~occupied  # the vacated", "moved = ok  # the vacated",
+    (F, "moved = ok & ~occupied & ~keep  # the vacated", "moved = ok & ~keep  # the vacated",
      "fused: a vacated CPU slot freed after a swap"),
     (F, "rows = tl.where(keep & (rows >= 0) & (rows < G), rows + row_base, -1)",
      "rows = tl.where(keep & (rows >= 0), rows + row_base, -1)",
@@ -237,6 +240,45 @@ DISTINCT_MUTANTS = [  # a prefill table's one access on its distinct addresses
      "        bound = self.buffer_slots\n", "TP access_distinct bounded by the buffer alone"),
 ]
 
+SHADOW_TESTS = ["tests/test_shadows.py", "tests/test_stateful.py", "-k",
+                "not fused and not tight"]
+SHADOW_MUTANTS = [  # evictions without write-back, torch path
+    (G, "keep = ok & ~swap if self.shadows", "keep = ok if self.shadows",
+     "shadows: a swapped-out slot also kept as the promoted row's shadow"),
+    (G, "cidx = torch.where(phys >= G, phys - G, torch.where(had >= 0, had, self.cpu_slots))",
+     "cidx = torch.where(phys >= G, phys - G, self.cpu_slots)",
+     "shadows: a write leaves the shadow stale"),
+    (G, "shadowed = on_gpu & (had >= 0)  # the row's shadow", "shadowed = on_gpu & (had > 0)  #",
+     "shadows: release keeps a shadow in CPU slot 0"),
+    (G, "take = live & (torch.cumsum(live, 0) <= short)",
+     "take = live & (torch.cumsum(live, 0) < short)", "shadows: reclaim one short"),
+    (G, "        self._settle_stack(took, took & remap, popped)\n        slot = torch.where",
+     "        self._settle_stack(took, remap, popped)\n        slot = torch.where",
+     "shadows: place hands back a stack slot it never took"),
+    (G, "remap = owned & (had >= 0)  # the victim's shadow", "remap = owned & (had > 0)  #",
+     "shadows: a shadow in CPU slot 0 never used"),
+    (G, "rewrites=(copy_out & (had == WAS_ON_CPU)).sum())",
+     "rewrites=(copy_out & (had < 0)).sum())", "shadows: first write-backs counted as rewrites"),
+    (G, "        self.shadow.index_put_((torch.where(ok, slot, G),),\n", "        (\n",
+     "shadows: a placed row inherits its victim's shadow"),
+]
+FUSED_SHADOW_TESTS = ["tests/test_shadows.py", "-k", "fused or tight"]
+FUSED_SHADOW_MUTANTS = [  # the same in the kernels, vs the torch path
+    (F, "keep = ok & ~swap  # the vacated", "keep = ok  # the vacated",
+     "fused shadows: a swapped-out slot kept as a shadow"),
+    (F, "dest = base + before + tl.cumsum(back.to(tl.int64), 0) - 1",
+     "dest = base + before + tl.cumsum(back.to(tl.int64), 0)",
+     "fused shadows: a handed-back slot one position off"),
+    (F, "take = live & (rank <= short)", "take = live & (rank < short)",
+     "fused shadows: reclaim one short"),
+    (FR, "shadowed = on_gpu & (had >= 0)", "shadowed = on_gpu & (had > 0)",
+     "fused shadows: release keeps a shadow in CPU slot 0"),
+    (F, "                    tl.store(shadow + vs, tl.full(vs.shape, -1, tl.int32), mask=ok)\n",
+     "", "fused shadows: a placed row inherits its victim's shadow"),
+    (F, "        tl.store(block_back + pid, 0)\n", "",
+     "fused shadows: hand-back counts carried over from the last call"),
+]
+
 INTERFACE_TESTS = ["tests/test_core_interface.py"]
 INTERFACE_MUTANTS = [  # the mode differences the seam asks the core, and the pool's rows
     (H, "        return sum(seq_lens) <= self.config.gpu_slots",
@@ -278,7 +320,9 @@ def main() -> int:
                   "hostile": [(*m, HOSTILE_TESTS) for m in HOSTILE_MUTANTS],
                   "pieces": [(*m, PIECES_TESTS) for m in PIECES_MUTANTS],
                   "distinct": [(*m, DISTINCT_TESTS) for m in DISTINCT_MUTANTS],
-                  "interface": [(*m, INTERFACE_TESTS) for m in INTERFACE_MUTANTS]}
+                  "interface": [(*m, INTERFACE_TESTS) for m in INTERFACE_MUTANTS],
+                  "shadows": [(*m, SHADOW_TESTS) for m in SHADOW_MUTANTS],
+                  "fused_shadows": [(*m, FUSED_SHADOW_TESTS) for m in FUSED_SHADOW_MUTANTS]}
         chosen = sys.argv[1:] or list(suites)
         if set(chosen) - set(suites):
             print(f"usage: python tests/mutants.py [{' | '.join(suites)}] ...")

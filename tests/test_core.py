@@ -300,28 +300,38 @@ def test_counters_and_bytes_match_an_independent_count():
     c = make(gpu_slots=20, cpu_slots=96, layers_per_group=2, policy="pblru")
     s, g = c.space, c.space.groups[0]
     G = g.gpu_slots
-    exp = dict.fromkeys(("accesses", "gpu_hits", "promotions", "writebacks", "placed", "spills"),
-                        0)
+    exp = dict.fromkeys(("accesses", "gpu_hits", "promotions", "writebacks", "placed", "spills",
+                         "remaps"), 0)
+
+    def evicted(before, shadow_before):
+        """(copied, remapped): rows that left the GPU, by a copy or onto their shadow."""
+        down = (before < G) & (before >= 0) & (g.loc >= G)
+        onto = down & (g.loc - G == shadow_before[before.clamp(0, G)].to(torch.int64))
+        return int((down & ~onto).sum()), int(onto.sum())
+
     gen = torch.Generator().manual_seed(7)
     for rid in range(3):
         c.admit(rid, 30)
     for step in range(12):
         s.begin_round()
-        before = g.loc.clone()
+        before, shadow_before = g.loc.clone(), g.shadow.clone()
         new = torch.cat(c.extend_batch(dict.fromkeys(range(3), 2 if step < 6 else 1)))
         fill(s, new)
-        moved_down = int(((before < G) & (before >= 0) & (g.loc >= G)).sum())
+        copied, remapped = evicted(before, shadow_before)
         exp["placed"] += new.numel()
-        exp["spills"] += moved_down
+        exp["spills"] += copied
+        exp["remaps"] += remapped
         live = torch.cat([c.addresses(r) for r in range(3)])
         sel = live[torch.randint(0, live.numel(), (2, 6), generator=gen)]
-        before = g.loc.clone()
+        before, shadow_before = g.loc.clone(), g.shadow.clone()
         distinct = sel.view(-1).unique()
         s.access(0, sel)
         exp["accesses"] += distinct.numel()
         exp["gpu_hits"] += int((before[distinct] < G).sum())
         exp["promotions"] += int((before[distinct] >= G).sum())
-        exp["writebacks"] += int(((before < G) & (before >= 0) & (g.loc >= G)).sum())
+        copied, remapped = evicted(before, shadow_before)
+        exp["writebacks"] += copied
+        exp["remaps"] += remapped
         c.check_integrity()
     got = g.counter_values()
     assert {k: got[k] for k in exp} == exp

@@ -69,8 +69,10 @@ def test_end_to_end_writes_csv_md_json(tmp_path, triton):
     res = json.loads(out.stdout)
     assert set(res["ula_launch_counts"]) == ({"fused", "torch"} if triton else {"torch"})
     assert res["config"]["ula_path"] == ("fused" if triton else "torch")
-    assert set(res["best"]) == {"ulacache", "hisparse", "resident"}
-    assert len(res["tunings"]) == 2 + 2 + 1
+    assert set(res["best"]) == {"ulacache", "ulacache_wb", "hisparse", "resident"}
+    assert len(res["tunings"]) == 2 + 2 + 2 + 1
+    assert "ulacache/ulacache_wb tokens_per_s" in res["peak_ratios"]
+    assert "ulacache_wb/hisparse tokens_per_s" in res["peak_ratios"]
     for key in ("ulacache/hisparse tokens_per_s", "ulacache/hisparse tokens_per_s_duplex",
                 "ulacache/hisparse tokens_per_s_overlap", "ulacache/resident tokens_per_s"):
         v = res["peak_ratios"][key]
@@ -232,6 +234,14 @@ def test_tiered_policies_miss_when_history_exceeds_gpu(model):
     assert rows["ulacache"]["ula_launches_per_step"] > 0
     # HiSparse writes back one row per request per step; ulacache its evicted rows
     assert rows["hisparse"]["d2h_mb_per_step"] > 0
+    # shadows change nothing on the GPU side (hits, promotions, admission), only the D2H:
+    # rows written back a second time
+    on, off = rows["ulacache"], rows["ulacache_wb"]
+    for key in ("gpu_hit_rate", "h2d_mb_per_step", "admitted_mean", "finished"):
+        assert on[key] == off[key], key
+    assert off["d2h_evict_mb_per_step"] > 0
+    assert on["d2h_evict_mb_per_step"] < 0.5 * off["d2h_evict_mb_per_step"]
+    assert on["d2h_mb_per_step"] < off["d2h_mb_per_step"]
 
 
 def test_duplex_time_follows_the_measured_factor():
@@ -256,17 +266,17 @@ def test_other_time_is_a_roofline_over_the_batch():
 
 
 def test_launch_counts_are_the_real_paths():
-    """The fused path's counts are its kernels (1 round start for all groups; 4 + 4 + 3 per
+    """The fused path's counts are its kernels (1 round start for all groups; 5 + 4 + 3 per
     group), the torch path's its aten ops (dozens per group); neither syncs the host."""
     if not fused_countable():
         pytest.skip("counting the fused path needs Triton: pip install 'ulacache[cuda]'")
     fused = ds.count_launches("fused", 61)
-    assert fused == {"round": 1, "place": 4, "access": 4, "release": 3, "syncs": 0}
+    assert fused == {"round": 1, "place": 5, "access": 4, "release": 3, "syncs": 0}
     torch_path = ds.count_launches("torch", 61)
     assert torch_path["round"] > 61 * 10 and torch_path["access"] > 100
     cfg = ds.Config(layers=61, launch_us=2.0)
-    assert ds.ula_control_seconds(cfg, fused, False) == pytest.approx((1 + 61 * 8) * 2e-6)
-    assert ds.ula_control_seconds(cfg, fused, True) == pytest.approx((1 + 61 * 11) * 2e-6)
+    assert ds.ula_control_seconds(cfg, fused, False) == pytest.approx((1 + 61 * 9) * 2e-6)
+    assert ds.ula_control_seconds(cfg, fused, True) == pytest.approx((1 + 61 * 12) * 2e-6)
 
 
 def test_deterministic_with_seed(model):

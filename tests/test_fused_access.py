@@ -61,8 +61,11 @@ def test_the_compiled_sub_block_size_matches_the_reference_too(monkeypatch):
 
 
 def _random_sequence(seed: int) -> None:
+    """Seeds 0-3 keep shadows (write-back-free evictions), 4-7 do not: every geometry runs
+    both, hostile and not."""
     layers, G, C, rb, nb = GEOMETRIES[seed % 4]
-    ref, fused = make_twins(layers, 300, G, C, rb, nb)
+    shadows = seed < 4
+    ref, fused = make_twins(layers, 300, G, C, rb, nb, shadows=shadows)
     d = TwinDriver(ref, fused, seed)
     for _ in range(6):
         d.advance()
@@ -80,6 +83,10 @@ def _random_sequence(seed: int) -> None:
     if seed % 4:  # the workload reaches the paths it claims to (tiny pools overflow instead)
         assert c["promotions"] and c["spills"] and c["gpu_hits"] and c["access_overflow"]
         assert c["writebacks"] and c["promotions"] > c["writebacks"]  # swaps and single copies
+        if shadows:  # evictions onto shadows (reclaims: tests/test_shadows.py)
+            assert c["remaps"] and c["shadowed"]
+        else:  # rows written back a second time
+            assert c["rewrites"] and not (c["remaps"] or c["shadowed"] or c["reclaims"])
 
 
 def test_deep_victim_search_matches_the_reference():
@@ -236,8 +243,9 @@ def test_fused_path_is_refused_where_it_cannot_run():
 
 @pytest.mark.parametrize("shape", [(1, 64), (8, 32), (3, 300)])
 def test_one_access_is_four_launches_and_nothing_else(shape):
-    """Through the dispatch layer: one access (and one placement) of the fused path issues
-    exactly four kernel launches and no other device op, whatever the batch and top-k."""
+    """Through the dispatch layer: one access of the fused path issues exactly four kernel
+    launches and no other device op, whatever the batch and top-k; a placement five (the
+    reclaim of shadows first; four without shadows)."""
     _, fused = make_twins(2, 2000, 256, 2000, 32, 4)
     fused.place(torch.arange(1500))
     fused.policy.advance()
@@ -251,7 +259,14 @@ def test_one_access_is_four_launches_and_nothing_else(shape):
     assert fused_access.launch_count() - before == fused_access.LAUNCHES_PER_CALL == 4
     assert mode.ops == [], f"device ops outside the fused launches: {mode.ops}"
     before = fused_access.launch_count()
-    fused.place(torch.arange(1500, 1500 + shape[1]))
+    new = torch.arange(1500, 1500 + shape[1])
+    with DeviceOps() as mode:
+        fused.place(new)
+    assert fused_access.launch_count() - before == fused_access.LAUNCHES_PER_PLACE == 5
+    assert mode.ops == [], f"device ops outside the fused launches: {mode.ops}"
+    _, no_shadows = make_twins(2, 2000, 256, 2000, 32, 4, shadows=False)
+    before = fused_access.launch_count()
+    no_shadows.place(torch.arange(shape[1]))  # no shadow to reclaim: the four kernels alone
     assert fused_access.launch_count() - before == 4
 
 
@@ -274,7 +289,7 @@ def test_scratch_is_allocated_once_and_larger_calls_run_in_chunks():
     d.advance()
     d.release(200, hostile=True)
     assert [t.data_ptr() for t in scratch.tensors] == ptrs  # never replaced
-    assert all(t.numel() in (128, 1) for t in scratch.tensors)
+    assert all(t.numel() in (128, 3) for t in scratch.tensors)  # 3: per-block counts
     # a chunked access serves every selection from a resident row holding its bytes
     live = torch.tensor(sorted(d.live))
     addrs = live[torch.randperm(live.numel(), generator=torch.Generator().manual_seed(1))

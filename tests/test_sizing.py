@@ -154,19 +154,19 @@ def test_affine_rounding_is_an_upper_bound():
 
 def test_deepseek_v32_figures():
     """The figures docs/sglang.md quotes: DeepSeek-V3.2 (61 layers, 61 selection groups),
-    cpu_ratio 4 (ratio 5), 64 buckets: 8,671 B of tables and fused-call scratch per GPU token
-    in DP mode (8,643 B of tables alone), against SGLang's 80,276 B cell (656 B latent + 132 B
-    index-K x 5, per layer); TP8 with the buffer of 64 requests (64 x 2049 rows): 2,620 B per
-    global token per rank (2,341 B of tables; the gates' scratch of every group is the rest,
+    cpu_ratio 4 (ratio 5), 64 buckets: 8,916 B of tables and fused-call scratch per GPU token
+    in DP mode (8,887 B of tables alone), against SGLang's 80,276 B cell (656 B latent + 132 B
+    index-K x 5, per layer); TP8 with the buffer of 64 requests (64 x 2049 rows): 2,651 B per
+    global token per rank (2,371 B of tables; the gates' scratch of every group is the rest,
     and 311 MB of fixed scratch for the buffer's share of a call)."""
-    assert table_bytes_per_slot(61, ratio=5, page_size=64) == (8671, 1991510)
+    assert table_bytes_per_slot(61, ratio=5, page_size=64) == (8916, 1995689)
     assert table_bytes_per_slot(61, ratio=5, page_size=64, call_scratch=False) == \
-        (8643, 1758318)
+        (8887, 1761490)
     tp8 = dict(tp_size=8, buffer_slots=64 * 2049, layers=61)
-    assert table_bytes_per_slot(61, ratio=5, page_size=64, **tp8) == (2620, 610662301)
-    assert table_bytes_per_slot(61, ratio=5, page_size=64, call_scratch=False, **tp8)[0] == 2341
-    assert table_bytes_per_slot(78, ratio=5, page_size=64)[0] == 11069  # GLM-5, 78 groups
-    assert table_bytes_per_slot(21, ratio=5, page_size=64)[0] == 3030  # GLM-5.2, 21 groups
+    assert table_bytes_per_slot(61, ratio=5, page_size=64, **tp8) == (2651, 611206349)
+    assert table_bytes_per_slot(61, ratio=5, page_size=64, call_scratch=False, **tp8)[0] == 2371
+    assert table_bytes_per_slot(78, ratio=5, page_size=64)[0] == 11381  # GLM-5, 78 groups
+    assert table_bytes_per_slot(21, ratio=5, page_size=64)[0] == 3114  # GLM-5.2, 21 groups
 
 
 def test_bad_geometry_is_refused():

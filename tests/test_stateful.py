@@ -49,6 +49,7 @@ class LedgerMachine(RuleBasedStateMachine):
         "layers_per_group": st.sampled_from([1, 2]),
         "policy": st.sampled_from(["pblru", "lru"]),
         "n_buckets": st.sampled_from([2, 4]),
+        "shadows": st.booleans(),
     }))
     def setup(self, cfg):
         self.cfg = UlaCacheConfig(layout="tiny", row_bytes=RB, n_layers=2, max_requests=4, **cfg)
@@ -194,6 +195,7 @@ class ProductionMachine(RuleBasedStateMachine):
         "layers_per_group": st.sampled_from([1, 2]),
         "policy": st.sampled_from(["pblru", "lru"]),
         "n_buckets": st.sampled_from([2, 3]),
+        "shadows": st.booleans(),
     }))
     def setup(self, cfg):
         self.cfg = UlaCacheConfig(layout="tiny", row_bytes=RB, n_layers=2, page_size=1,

@@ -140,6 +140,7 @@ class UlaCacheConfig(_Checked, frozen=True, forbid_unknown_fields=True, kw_only=
     buffer_slots: Annotated[int, Meta(ge=0, le=MAX_GPU_SLOTS)] = 0  # TP: local buffer rows
     shard_indexer: bool = True  # TP: indexer keys striped like the latent (else replicated)
     access_path: AccessPath = "auto"  # fused Triton kernels on CUDA, torch reference elsewhere
+    shadows: bool = True  # promoted rows keep their CPU copy: evicting them copies nothing
     # entries one kernel call takes (its scratch is allocated once for this many); larger calls
     # (prefill page tables) run in chunks of this size in one round. null: call_capacity's rule
     call_entries: Optional[Annotated[int, Meta(ge=128, le=1 << 31)]] = None
@@ -225,6 +226,7 @@ class SGLangOptions(_Checked, frozen=True, forbid_unknown_fields=True, kw_only=T
     buffer_slots: Optional[Annotated[int, Meta(ge=1, le=MAX_GPU_SLOTS)]] = None  # TP only
     shard_indexer: bool = False  # TP only: exact sharded top-k merge (index-K replicated)
     access_path: AccessPath = "auto"  # "torch" forces the reference path (debugging)
+    shadows: bool = True  # evictions of promoted rows remap to their CPU copy (no write-back)
     # entries per kernel call (UlaCacheConfig.call_entries; null: GPU pool + buffer + 8192)
     call_entries: Optional[Annotated[int, Meta(ge=128, le=1 << 31)]] = None
 

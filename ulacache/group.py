@@ -38,7 +38,8 @@ from .state import GroupTables
 from .streams import capturing
 
 COUNTERS = ("accesses", "gpu_hits", "promotions", "writebacks", "placed", "spills",
-            "released_gpu", "released_cpu", "access_overflow", "place_overflow", "invalid")
+            "released_gpu", "released_cpu", "access_overflow", "place_overflow", "invalid",
+            "remaps", "shadowed", "reclaims", "shadows_released", "rewrites")
 """Slots of :attr:`SelectionGroup.counters` (device ``int64``, read outside the decode path):
 
 - ``accesses``: distinct selected rows per step; ``gpu_hits``: those already on the GPU;
@@ -49,21 +50,42 @@ COUNTERS = ("accesses", "gpu_hits", "promotions", "writebacks", "placed", "spill
 - ``place_overflow``: new rows not stored (no GPU slot, or no CPU slot for the victim);
 - ``invalid``: masked bad entries (validate off): out-of-range or non-live selections,
   duplicate or already-mapped addresses in ``place``, duplicates or out-of-range in
-  ``release``.
+  ``release``;
+- ``remaps``: victims (of a promotion or a placement) whose live shadow became their CPU copy:
+  evicted without a copy;
+- ``shadowed``: promotions that kept the promoted row's CPU copy as its shadow;
+- ``reclaims``: shadows given back to the CPU free stack to make room for spills;
+- ``shadows_released``: shadows freed with their row by ``release``;
+- ``rewrites``: write-backs and spills of rows that had been in the CPU tier before (the
+  eviction-path D2H that shadows remove; ``writebacks + spills - rewrites`` are rows born on
+  the GPU reaching the CPU for the first time).
 """
 OVERFLOWS = ("access_overflow", "place_overflow", "invalid")
 
 
 def occupancy(c: dict[str, int]) -> tuple[int, int]:
-    """(GPU, CPU) slots holding a row, derived from a group's counters: a placement fills a
-    GPU slot unless it spilled the victim; a promotion fills one unless it swapped with a
-    victim (and frees the CPU slot it left); a release frees its tier. So the occupancy needs
-    no device work of its own (``check_integrity`` asserts the identity)."""
-    into_free = c["promotions"] - c["writebacks"]
-    gpu = c["placed"] - c["spills"] + into_free - c["released_gpu"]
-    return gpu, c["spills"] - into_free - c["released_cpu"]
+    """(GPU, CPU) slots holding a row's primary copy, derived from a group's counters: a
+    placement or promotion fills a GPU slot; its victim, if any, leaves the GPU for the CPU
+    (a spill, a write-back, or a remap to its shadow); a promotion leaves the CPU; a release
+    frees its tier. Shadows are not occupancy (:func:`live_shadows`). So the occupancy needs no
+    device work of its own (``check_integrity`` asserts the identity)."""
+    evicted = c["spills"] + c["writebacks"] + c["remaps"]
+    gpu = c["placed"] + c["promotions"] - evicted - c["released_gpu"]
+    return gpu, evicted - c["promotions"] - c["released_cpu"]
+
+
+def live_shadows(c: dict[str, int]) -> int:
+    """CPU slots holding a shadow (a GPU-resident row's still-valid CPU copy), from the
+    counters: kept at promotion, consumed by a remap, reclaimed, or released with the row."""
+    return c["shadowed"] - c["remaps"] - c["reclaims"] - c["shadows_released"]
 
 NO_CLAIM = torch.iinfo(torch.int64).max
+
+BORN = -1
+"""``shadow[slot]`` of a free GPU slot, or of a row that has never been in the CPU tier."""
+WAS_ON_CPU = -2
+"""``shadow[slot]`` of a row that has been in the CPU tier but has no shadow now (its eviction
+writes it back: an eviction-path D2H copy, counted in ``rewrites``)."""
 
 ACCESS_PATHS = ("auto", "torch", "fused")
 """How ``access`` and ``place`` run: ``"torch"``, the reference (fixed-shape tensor ops, about
@@ -233,6 +255,15 @@ class SelectionGroup:
     scratch : optional shared fused-path scratch (``kernels.fused_access.Scratch`` of
         ``SCRATCH_DTYPES``, >= ``max_call`` entries): the groups of an address space run one
         at a time on one stream, so one serves them all.
+    shadows : evictions without write-back. A row promoted from the CPU tier keeps its CPU
+        copy as a *shadow* (``shadow[gpu_slot]``); evicting a row whose shadow is live remaps
+        it to the shadow and copies nothing. Shadows are not occupancy: they live in CPU slots
+        no primary holds, and ``place`` gives them back (``reclaims``) before it could run
+        short of free CPU slots. Off: every eviction of a row writes it back (exclusive tiers
+        as in the paper).
+
+    CPU slot states (``check_integrity``): free (on the free stack), primary (``loc[owner] ==
+    G + slot``) or shadow (``shadow[loc[owner]] == slot``, ``owner`` GPU-resident).
     """
 
     def __init__(self, layers: list[int], n_logical: int, gpu_slots: int, cpu_slots: int,
@@ -241,7 +272,8 @@ class SelectionGroup:
                  n_buckets: int = 64, validate: bool = True,
                  gpu_storage: torch.Tensor | None = None, counters: torch.Tensor | None = None,
                  claim: torch.Tensor | None = None, access_path: str = "auto",
-                 max_call: int | None = None, scratch=None, row_base: int = 0):
+                 max_call: int | None = None, scratch=None, row_base: int = 0,
+                 shadows: bool = True):
         self.device = resolve_device(device)
         self.row_base = int(row_base)  # added to every row access / translate return
         self.max_call = int(max_call) if max_call is not None else gpu_slots + CALL_FLOOR
@@ -265,6 +297,10 @@ class SelectionGroup:
         self.gpu_owner = torch.full((gpu_slots + 1,), -1, dtype=torch.int64, device=self.device)
         self.cpu_owner = allocate((cpu_slots + 1,), torch.int64, self.device, "the CPU owners",
                                   fill=-1)
+        # per GPU slot: the CPU slot of its row's shadow, or BORN / WAS_ON_CPU (int32: 4 B)
+        self.shadows = bool(shadows)
+        self.shadow = torch.full((gpu_slots + 1,), BORN, dtype=torch.int32, device=self.device)
+        self.reclaim_cursor = torch.zeros((), dtype=torch.int64, device=self.device)
         # Dedup of one call's addresses: claim[t] = first position naming t (reset after use).
         # Scratch between calls, so the groups of an address space share one table.
         if claim is None:
@@ -285,7 +321,9 @@ class SelectionGroup:
         # the fused engine's view of this group: plain tensors, never rebound
         self.tables = GroupTables(
             loc=self.loc, claim=self.claim_table, gpu_owner=self.gpu_owner,
-            cpu_owner=self.cpu_owner, counters=self.counters, gpu=self.pools.gpu,
+            cpu_owner=self.cpu_owner, shadow=self.shadow, shadows=self.shadows,
+            reclaim_cursor=self.reclaim_cursor,
+            counters=self.counters, gpu=self.pools.gpu,
             cpu=self.pools.cpu, cpu_free=self.pools.cpu_free, cpu_top=self.pools.cpu_top,
             policy=self.policy, n_logical=n_logical, gpu_slots=gpu_slots,
             cpu_slots=cpu_slots, max_call=self.max_call, device=self.device)
@@ -302,6 +340,7 @@ class SelectionGroup:
         self._access_one = self._access_fused if fused else self._access_torch
         self._translate = self._translate_fused if fused else self._translate_torch
         self._release_one = self._release_fused if fused else self._release_torch
+        self._reclaim = self._reclaim_fused if fused else self._reclaim_torch
 
     # -- helpers --------------------------------------------------------------------------
     def _count(self, **values: torch.Tensor) -> None:
@@ -370,6 +409,7 @@ class SelectionGroup:
         if self._checking():
             self.check_place(addrs)
         slot = torch.empty(addrs.numel(), dtype=torch.int64, device=self.device)
+        self.reclaim(addrs.numel())
         self.fused.run(addrs.reshape(-1).contiguous(), place=True, victim_out=slot)
         return slot
 
@@ -378,28 +418,92 @@ class SelectionGroup:
         flat, fresh, bad = self._place_plan(addrs)
         if self._checking():
             self._validate_place(flat, fresh, bad)
-        G = self.gpu_slots
+        self.reclaim(flat.numel())
+        G, C = self.gpu_slots, self.cpu_slots
         rank = torch.cumsum(fresh, 0) - 1
         cand = self.policy.victims(flat.numel())
         slot = torch.where(fresh, cand[rank.clamp(min=0)], -1)
-        owner = self.gpu_owner[torch.where(slot >= 0, slot, G)]
-        cslot = self.pools.pop_cpu((slot >= 0) & (owner >= 0))
-        spill = cslot >= 0
-        ok = (slot >= 0) & ((owner < 0) | spill)  # victims are free first: failures come last
+        vs = torch.where(slot >= 0, slot, G)
+        owner = self.gpu_owner[vs]
+        had = self.shadow[vs].to(torch.int64)
+        occupied = (slot >= 0) & (owner >= 0)
+        remap = occupied & (had >= 0)  # evicted onto its shadow: no copy, no free slot used
+        took, popped = self._pop_in_victim_order(occupied)
+        spill = took & ~remap
+        cslot = torch.where(spill, popped, -1)
+        ok = (slot >= 0) & (~occupied | remap | spill)  # victims are free first
         # data first: the spilled victims' rows move GPU -> CPU ...
         gather_rows(self.pools.gpu, torch.where(spill, slot, -1), self.pools.cpu, cslot)
         # ... then the mapping
-        self.loc.index_put_((torch.where(spill, owner, self.n_logical),),
-                            torch.where(spill, G + cslot, -1))
-        self.cpu_owner.index_put_((torch.where(spill, cslot, self.cpu_slots),),
-                                  torch.where(spill, owner, -1))
+        evicted = spill | remap
+        self.loc.index_put_((torch.where(evicted, owner, self.n_logical),),
+                            torch.where(spill, G + cslot, torch.where(remap, G + had, -1)))
+        self.cpu_owner.index_put_((torch.where(spill, cslot, C),), torch.where(spill, owner, -1))
+        self._settle_stack(took, took & remap, popped)
         slot = torch.where(ok, slot, -1)
         self.gpu_owner.index_put_((torch.where(ok, slot, G),), torch.where(ok, flat, -1))
+        self.shadow.index_put_((torch.where(ok, slot, G),),
+                               torch.full_like(slot, BORN, dtype=torch.int32))
         self.loc.index_put_((torch.where(ok, flat, self.n_logical),), slot)
         self.policy.assign(slot)
         self._count(placed=ok.sum(), spills=spill.sum(), place_overflow=(fresh & ~ok).sum(),
-                    invalid=bad.sum())
+                    invalid=bad.sum(), remaps=remap.sum(),
+                    rewrites=(spill & (had == WAS_ON_CPU)).sum())
         return slot
+
+    def _pop_in_victim_order(self, occupied: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every occupied victim (``bool [n]``, entries in victim order) takes the next CPU
+        free-stack position, from the top down: ``(took, popped slot or -1)``. The pointer
+        moves in :meth:`_settle_stack`. Victims remapped to their shadow take one too and hand
+        it back there: the kernels fix a victim's position before they read its shadow, and
+        the reference does the same so that both leave the same stack."""
+        pos = self.pools.cpu_top - torch.cumsum(occupied, 0)
+        took = occupied & (pos >= 0)
+        return took, torch.where(took, self.pools.cpu_free[pos.clamp(min=0)], -1)
+
+    def _settle_stack(self, took: torch.Tensor, back: torch.Tensor, popped: torch.Tensor
+                      ) -> None:
+        """After :meth:`_pop_in_victim_order`: positions ``[top - taken, top)`` were taken; the
+        slots of ``back`` entries return to the bottom of that range in entry order and the
+        pointer drops by what was kept."""
+        C = self.cpu_slots
+        taken = took.sum()
+        dest = torch.where(back, self.pools.cpu_top - taken + torch.cumsum(back, 0) - 1, C)
+        self.pools.cpu_free.index_put_((dest,), torch.where(back, popped, C))
+        self.pools.cpu_top.sub_(taken - back.sum())
+
+    def reclaim(self, need: int) -> None:
+        """Give shadows back to the CPU free stack until it holds ``need`` slots (or no shadow
+        is left): what a placement of ``need`` rows may pop (:meth:`place` calls it first).
+
+        Shadows are taken in GPU-slot order from a rotating cursor (``reclaim_cursor``, just
+        past the last one taken), not by age: under LRU the oldest shadows are those of the
+        next victims, the ones worth keeping. No sync; the fused path is one launch that scans
+        only until it has enough (one block when none is needed). Never inside an access, so
+        never a shadow a copy of the same launch reads."""
+        if self.shadows:
+            self._reclaim(int(need))
+
+    def _reclaim_fused(self, need: int) -> None:
+        self.fused.reclaim(need)
+
+    def _reclaim_torch(self, need: int) -> None:
+        G = self.gpu_slots
+        scan = torch.arange(G, device=self.device)
+        order = (scan + self.reclaim_cursor) % G
+        had = self.shadow[order].to(torch.int64)
+        live = had >= 0
+        short = (need - self.pools.cpu_top).clamp(min=0)
+        take = live & (torch.cumsum(live, 0) <= short)
+        self.cpu_owner.index_put_((torch.where(take, had, self.cpu_slots),),
+                                  torch.full_like(had, -1))
+        self.shadow.index_put_((torch.where(take, order, G),),
+                               torch.full_like(order, WAS_ON_CPU, dtype=torch.int32))
+        self.pools.push_cpu(torch.where(take, had, -1))
+        last = torch.where(take, scan, -1).max()
+        self.reclaim_cursor.copy_(torch.where(last >= 0, (self.reclaim_cursor + last + 1) % G,
+                                              self.reclaim_cursor))
+        self._count(reclaims=take.sum())
 
     def _place_plan(self, addrs: torch.Tensor):
         """(flat addresses, first occurrences of unmapped in-range ones, invalid entries)."""
@@ -435,9 +539,10 @@ class SelectionGroup:
                 "this round (rows used this round are pinned); place fewer rows per round or "
                 "enlarge gpu_slots")
         spills = max(0, need - (self.gpu_slots - int(self.policy.used_count())))
-        if spills > int(self.pools.cpu_top):
+        room = int(self.pools.cpu_top) + int((self.shadow[:self.gpu_slots] >= 0).sum())
+        if spills > room:
             raise CapacityExhausted(f"place: {spills} rows must be spilled to the CPU tier but "
-                                    f"only {int(self.pools.cpu_top)} CPU slots are free; "
+                                    f"only {room} CPU slots are free (shadows included); "
                                     "admission should have refused this request")
 
     # -- data (host-checked: tests and tools, not the decode path) --------------------------
@@ -448,8 +553,11 @@ class SelectionGroup:
         G = self.gpu_slots
         gidx = torch.where((phys >= 0) & (phys < G), phys, G)
         self.pools.gpu[li].index_copy_(0, gidx, rows.to(self.device))
-        cidx = torch.where(phys >= G, phys - G, self.cpu_slots).to(self.pools.cpu.device)
-        self.pools.cpu[li].index_copy_(0, cidx, rows.to(self.pools.cpu.device))
+        # a GPU row's shadow is written through: it stays an exact copy
+        had = self.shadow[gidx].to(torch.int64)
+        cidx = torch.where(phys >= G, phys - G, torch.where(had >= 0, had, self.cpu_slots))
+        self.pools.cpu[li].index_copy_(0, cidx.to(self.pools.cpu.device),
+                                       rows.to(self.pools.cpu.device))
 
     def check_write(self, layer: int, addrs: torch.Tensor, rows: torch.Tensor) -> None:
         """Raise what :meth:`write` would raise, changing nothing (host-side: synchronises).
@@ -559,26 +667,47 @@ class SelectionGroup:
         victim = torch.where(miss, cand[rank.clamp(min=0)], -1)
         ok = victim >= 0
         cslot = torch.where(ok, phys - G, -1)
-        owner = self.gpu_owner[torch.where(ok, victim, G)]
+        vs = torch.where(ok, victim, G)
+        owner = self.gpu_owner[vs]
         owned = ok & (owner >= 0)
-        # 1. data: promoted row -> victim GPU slot, victim row -> vacated CPU slot; a single
-        #    copy when the victim slot was free
-        swap_rows(self.pools.gpu, torch.where(owned, victim, -1), self.pools.cpu,
-                  torch.where(owned, cslot, -1))
-        gather_rows(self.pools.cpu, torch.where(owned, -1, cslot), self.pools.gpu,
-                    torch.where(owned, -1, victim))
+        had = self.shadow[vs].to(torch.int64)
+        remap = owned & (had >= 0)  # the victim's shadow becomes its CPU copy: no copy out
+        copy_out = owned & ~remap
+        if self.shadows:  # a written-back victim takes a free CPU slot if there is one ...
+            took, popped = self._pop_in_victim_order(owned)
+        else:
+            took, popped = torch.zeros_like(ok), torch.full_like(flat, -1)
+        into_free = copy_out & took
+        swap = copy_out & ~took  # ... else the slot its promoted row vacates (a swap)
+        dst = torch.where(into_free, popped, cslot)  # where a written-back victim goes
+        keep = ok & ~swap if self.shadows else torch.zeros_like(ok)  # cslot stays a shadow
+        # 1. data: victims without a shadow -> a free CPU slot or (swap) the vacated one;
+        #    promoted rows -> their victim GPU slots
+        gather_rows(self.pools.gpu, torch.where(into_free, victim, -1), self.pools.cpu,
+                    torch.where(into_free, popped, -1))
+        swap_rows(self.pools.gpu, torch.where(swap, victim, -1), self.pools.cpu,
+                  torch.where(swap, cslot, -1))
+        gather_rows(self.pools.cpu, torch.where(ok & ~swap, cslot, -1), self.pools.gpu,
+                    torch.where(ok & ~swap, victim, -1))
         # 2. mapping
         self.loc.index_put_((torch.where(ok, flat, self.n_logical),), victim)
         self.loc.index_put_((torch.where(owned, owner, self.n_logical),),
-                            torch.where(owned, G + cslot, -1))
-        self.gpu_owner.index_put_((torch.where(ok, victim, G),), torch.where(ok, flat, -1))
+                            torch.where(copy_out, G + dst, torch.where(remap, G + had, -1)))
+        self.gpu_owner.index_put_((vs,), torch.where(ok, flat, -1))
         self.cpu_owner.index_put_((torch.where(ok, cslot, self.cpu_slots),),
-                                  torch.where(owned, owner, -1))
-        self.pools.push_cpu(torch.where(ok & ~owned, cslot, -1))
+                                  torch.where(swap, owner, torch.where(keep, flat, -1)))
+        self.cpu_owner.index_put_((torch.where(into_free, popped, self.cpu_slots),),
+                                  torch.where(into_free, owner, -1))
+        self.shadow.index_put_((vs,), torch.where(keep, cslot, WAS_ON_CPU).to(torch.int32))
+        if self.shadows:
+            self._settle_stack(took, took & remap, popped)
+        else:
+            self.pools.push_cpu(torch.where(ok & ~owned, cslot, -1))
         self.policy.assign(victim)
         self._count(accesses=first.sum(), gpu_hits=hit.sum(), promotions=ok.sum(),
-                    writebacks=owned.sum(), access_overflow=(miss & ~ok).sum(),
-                    invalid=bad.sum())
+                    writebacks=copy_out.sum(), access_overflow=(miss & ~ok).sum(),
+                    invalid=bad.sum(), remaps=remap.sum(), shadowed=keep.sum(),
+                    rewrites=(copy_out & (had == WAS_ON_CPU)).sum())
         rows = self.loc[safe]
         rows = torch.where(valid & (rows >= 0) & (rows < G), rows + self.row_base, -1) \
             .view(addrs.shape)
@@ -678,15 +807,20 @@ class SelectionGroup:
         on_gpu = drop & (phys < G)
         on_cpu = drop & (phys >= G)
         gslot = torch.where(on_gpu, phys, -1)
-        cslot = torch.where(on_cpu, phys - G, -1)
+        had = self.shadow[torch.where(on_gpu, phys, G)].to(torch.int64)
+        shadowed = on_gpu & (had >= 0)  # the row's shadow is freed with it
+        cslot = torch.where(on_cpu, phys - G, torch.where(shadowed, had, -1))
         self.loc.index_put_((torch.where(drop, flat, self.n_logical),),
                             torch.full_like(flat, -1))
         self.gpu_owner.index_put_((torch.where(on_gpu, gslot, G),), torch.full_like(gslot, -1))
-        self.cpu_owner.index_put_((torch.where(on_cpu, cslot, self.cpu_slots),),
+        self.shadow.index_put_((torch.where(on_gpu, gslot, G),),
+                               torch.full_like(gslot, BORN, dtype=torch.int32))
+        self.cpu_owner.index_put_((torch.where(cslot >= 0, cslot, self.cpu_slots),),
                                   torch.full_like(cslot, -1))
         self.policy.release(gslot)
         self.pools.push_cpu(cslot)
-        self._count(released_gpu=on_gpu.sum(), released_cpu=on_cpu.sum(), invalid=bad.sum())
+        self._count(released_gpu=on_gpu.sum(), released_cpu=on_cpu.sum(), invalid=bad.sum(),
+                    shadows_released=shadowed.sum())
 
     def _release_plan(self, addrs: torch.Tensor, check: bool):
         """(flat, in range, safe, first occurrences, invalid entries) of a release; ``check``:
@@ -719,13 +853,28 @@ class SelectionGroup:
         addr = torch.arange(self.n_logical, device=self.device)
         g_addr, c_addr = addr[mapped & (loc < G)], addr[loc >= G]
         g_slot, c_slot = loc[g_addr], loc[c_addr] - G
+        # shadows: only of GPU-resident rows, at most one per row, exact copies, not a primary
+        shadow = self.shadow[:G].to(torch.int64)
+        assert int(self.shadow[G]) < 0, "scratch shadow entry holds a slot"
+        assert bool(((shadow >= WAS_ON_CPU) & (shadow < C)).all()), "shadow entry out of range"
+        free_g = torch.ones(G, dtype=torch.bool, device=self.device)
+        free_g[g_slot] = False
+        assert bool((shadow[free_g] == BORN).all()), "a free GPU slot keeps a shadow marker"
+        assert self.shadows or not bool((shadow >= 0).any()), "shadow kept with shadows off"
+        s_gpu = g_slot[shadow[g_slot] >= 0]
+        s_slot, s_addr = shadow[s_gpu], self.gpu_owner[s_gpu]
+        if s_gpu.numel() and self.pools.n_layers:
+            assert torch.equal(self.pools.gpu[:, s_gpu].cpu(), self.pools.cpu[:, s_slot].cpu()), \
+                "a shadow differs from its GPU row"
         # one place per address, one address per slot, reverse maps agree
         assert g_slot.unique().numel() == g_slot.numel(), "GPU slot owned twice"
-        assert c_slot.unique().numel() == c_slot.numel(), "CPU slot owned twice"
+        held = torch.cat([c_slot, s_slot])
+        assert held.unique().numel() == held.numel(), "CPU slot held twice (primary or shadow)"
         exp_g = torch.full((G,), -1, dtype=torch.int64, device=self.device)
         exp_g[g_slot] = g_addr
         exp_c = torch.full((C,), -1, dtype=torch.int64, device=self.device)
         exp_c[c_slot] = c_addr
+        exp_c[s_slot] = s_addr
         assert torch.equal(exp_g, self.gpu_owner[:G]), "gpu_owner disagrees with mapping"
         assert torch.equal(exp_c, self.cpu_owner[:C]), "cpu_owner disagrees with mapping"
         assert int(self.gpu_owner[G]) == -1 and int(self.cpu_owner[C]) == -1, "scratch owner"
@@ -739,10 +888,12 @@ class SelectionGroup:
         assert free_c.unique().numel() == free_c.numel(), "CPU slot free twice"
         covered = torch.zeros(C, dtype=torch.bool, device=self.device)
         covered[free_c] = True
-        assert torch.equal(covered, exp_c < 0), "CPU free stack != unowned CPU slots"
+        assert torch.equal(covered, exp_c < 0), "CPU free stack != CPU slots neither primary " \
+            "nor shadow"
         self.policy.check_integrity()
         assert bool((self.claim_table == NO_CLAIM).all()), "claim table dirty"
         assert bool((self.counters >= 0).all()), "negative counter"
-        assert occupancy(self.counter_values()) == (int((exp_g >= 0).sum()),
-                                                    int((exp_c >= 0).sum())), \
+        counts = self.counter_values()
+        assert occupancy(counts) == (int((exp_g >= 0).sum()), c_slot.numel()), \
             "occupancy derived from the counters disagrees with the pools"
+        assert live_shadows(counts) == s_slot.numel(), "shadow count disagrees with counters"

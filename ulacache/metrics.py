@@ -27,6 +27,12 @@ HELP = {
     "access_overflow": "selected rows served as padding: no GPU slot could take them (must be 0)",
     "place_overflow": "new rows not stored: no GPU slot, or no CPU slot for the victim (must be 0)",
     "invalid": "masked invalid addresses (validate off; must be 0)",
+    "remaps": "victim rows evicted onto their shadow (their CPU copy): nothing copied",
+    "shadowed": "promoted rows that kept their CPU copy as a shadow",
+    "reclaims": "shadows given back to the CPU free stack to make room for spills",
+    "shadows_released": "shadows freed with their row (finished or aborted requests)",
+    "rewrites": "write-backs and spills of rows that had been in the CPU tier before "
+                "(eviction-path D2H)",
 }
 
 

@@ -126,17 +126,6 @@ class TierPools:
         logger.debug("pools: %d layers x (%d GPU + %d CPU) rows of %d B", n_layers, gpu_slots,
                      cpu_slots, row_bytes)
 
-    def pop_cpu(self, want: torch.Tensor) -> torch.Tensor:
-        """Pop one free CPU slot for each ``True`` in ``want`` (``bool [n]``), in order;
-        ``int64 [n]`` with ``-1`` where not wanted or the stack ran dry (then every later
-        wanted entry gets ``-1`` too). Graph-safe."""
-        rank = torch.cumsum(want, 0) - 1
-        pos = self.cpu_top - 1 - rank
-        got = want & (pos >= 0)
-        slot = torch.where(got, self.cpu_free[pos.clamp(min=0)], -1)
-        self.cpu_top.sub_(got.sum())
-        return slot
-
     def push_cpu(self, slots: torch.Tensor) -> None:
         """Push the valid (``>= 0``, distinct, currently used) CPU slots back. Graph-safe."""
         put = slots >= 0

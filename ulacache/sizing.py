@@ -99,24 +99,26 @@ def table_bytes(groups: int, *, n_logical: int | Affine, gpu_slots: int | Affine
     allocated and exceeds it by less than ``x`` bytes plus one superblock of policy words per
     bucket row (``tests/test_sizing.py`` measures both on real objects).
 
-    Counted, per selection group (:class:`~ulacache.group.SelectionGroup`): the mapping
-    ``loc int64 [n + 1]``, ``gpu_owner int64 [G + 1]``, ``cpu_owner`` and the CPU free stack
-    ``int64 [C + 1]`` each, ``cpu_top``, the policy over ``G`` slots (PB-LRU's bucket tables
-    may be stacked in one arena per address space: the same bytes); per rank: PB-LRU's
-    byte tables (one pair per device, shared by every policy); per address space: the
-    shared claim table ``int64 [n + 1]`` and the counter table ``int64 [groups, 11]``. With
-    ``tp`` (per group, :class:`~ulacache.buffer.LocalBuffer`): ``slot_of int32 [N + 1]`` over
-    the *global* addresses, ``holder int64 [B + 1]``, a policy over ``B`` slots; per rank: the
-    buffers' shared claim table ``int64 [N + 1]``, the gate counters ``int64 [groups, 9]`` and
-    the CUDA peer pointer tables ``int64 [layers, ranks]``. The fused path's per-call scratch,
-    allocated once for ``call_capacity = G + B + CALL_FLOOR`` entries (``call_entries`` when
-    given): per address space 28 B an entry plus ``int32`` per-block counts; TP adds this
-    rank's ``int32`` rows of a plan and, per group, the gates' 36 B an entry
-    (:func:`call_scratch_bytes`; ``call_scratch=False`` leaves it out: the torch path).
+    Counted, per selection group (:class:`~ulacache.group.SelectionGroup`): the mapping ``loc
+    int64 [n + 1]``, ``gpu_owner int64 [G + 1]``, the shadow table ``int32 [G + 1]``,
+    ``cpu_owner`` and the CPU free stack ``int64 [C + 1]`` each, ``cpu_top`` and the reclaim
+    cursor, the policy over ``G`` slots (PB-LRU's bucket tables may be stacked in one arena per
+    address space: the same bytes); per rank: PB-LRU's byte tables (one pair per device, shared
+    by every policy); per address space: the shared claim table ``int64 [n + 1]`` and the
+    counter table ``int64 [groups, 16]``. With ``tp`` (per group,
+    :class:`~ulacache.buffer.LocalBuffer`): ``slot_of int32 [N + 1]`` over the *global*
+    addresses, ``holder int64 [B + 1]``, a policy over ``B`` slots; per rank: the buffers'
+    shared claim table ``int64 [N + 1]``, the gate counters ``int64 [groups, 9]`` and the CUDA
+    peer pointer tables ``int64 [layers, ranks]``. The fused path's per-call scratch, allocated
+    once for ``call_capacity = G + B + CALL_FLOOR`` entries (``call_entries`` when given): per
+    address space 28 B an entry plus three ``int32`` per-block counts, and 8 B per group (the
+    stack pointer K3 hands K4); TP adds this rank's ``int32`` rows of a plan and, per group, the
+    gates' 36 B an entry (:func:`call_scratch_bytes`; ``call_scratch=False`` leaves it out: the
+    torch path).
     Not counted: host mirrors of the counters.
     """
     n, G, C = Affine.of(n_logical), Affine.of(gpu_slots), Affine.of(cpu_slots)
-    group = (8 * (n + 1) + 8 * (G + 1) + 2 * 8 * (C + 1) + 8
+    group = (8 * (n + 1) + 8 * (G + 1) + 4 * (G + 1) + 2 * 8 * (C + 1) + 8 + 8
              + _policy_bytes(policy, G, n_buckets))
     total = groups * group + 8 * (n + 1) + groups * len(COUNTERS) * 8
     if policy == "pblru":
@@ -138,15 +140,16 @@ def table_bytes(groups: int, *, n_logical: int | Affine, gpu_slots: int | Affine
 def call_scratch_bytes(groups: int, capacity: int | Affine, tp: bool) -> Affine:
     """Device bytes of the fused path's per-call scratch for calls of ``capacity`` entries
     (``kernels.fused_access.Scratch``, allocated once at construction): the address space's
-    access scratch (local, phys, victim ``int64``, status ``int32``: 28 B an entry) with
-    ``int32`` counts per 128-entry block; TP: this rank's ``int32`` rows of a plan and every
-    group's gate scratch (status ``int32``, victim and the plan's three ``int64``: 36 B an
-    entry, per-block counts). Block rounding bounded from above."""
+    access scratch (local, phys, victim ``int64``, status ``int32``: 28 B an entry) with three
+    ``int32`` counts per 128-entry block, and each group's ``int64`` stack-pointer snapshot;
+    TP: this rank's ``int32`` rows of a plan and every group's gate scratch (status ``int32``,
+    victim and the plan's three ``int64``: 36 B an entry, the same per-block counts). Block
+    rounding bounded from above."""
     blocks = Affine.of(capacity).ceil_div(128)
     entries = 128 * blocks
-    total = 28 * entries + 4 * blocks
+    total = 28 * entries + 12 * blocks + 8 * groups
     if tp:
-        total = total + 4 * Affine.of(capacity) + groups * (36 * entries + 4 * blocks)
+        total = total + 4 * Affine.of(capacity) + groups * (36 * entries + 12 * blocks)
     return total
 
 

@@ -93,7 +93,7 @@ class AddressSpace:
                                counters=self.counter_table[i], claim=claim,
                                access_path=config.access_path,
                                max_call=config.call_capacity, scratch=scratch,
-                               row_base=row_base)
+                               row_base=row_base, shadows=config.shadows)
             scratch = g.fused.shared_scratch if g.fused is not None else None
             self.groups.append(g)
         self.layer_to_group = {layer: gi for gi, g in enumerate(self.groups) for layer in g.layers}

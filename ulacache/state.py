@@ -29,7 +29,12 @@ class GroupTables:
         ``-1`` unmapped.
     claim : ``int64 [N + 1]``: per-call dedup scratch (first position naming an address),
         reset to its sentinel after every call; may be shared by the groups of a space.
-    gpu_owner, cpu_owner : ``int64 [G + 1]``, ``[C + 1]``: slot -> address, ``-1`` free.
+    gpu_owner, cpu_owner : ``int64 [G + 1]``, ``[C + 1]``: slot -> address, ``-1`` free (a
+        shadow's CPU slot names the GPU-resident address it copies).
+    shadow : ``int32 [G + 1]``: GPU slot -> CPU slot of its row's shadow, ``-1`` none (row
+        born on the GPU, or slot free), ``-2`` none (row has been in the CPU tier).
+    shadows : whether promotions keep shadows (``ulacache.group.SelectionGroup``).
+    reclaim_cursor : ``int64 []``: the GPU slot the next reclaim of shadows scans from.
     counters : ``int64 [len(COUNTERS)]``: the group's counters (``ulacache.group.COUNTERS``).
     gpu, cpu : ``uint8 [L, G + 1, row_bytes]``, ``[L, C + 1, row_bytes]``: the tiers' rows.
     cpu_free : ``int64 [C + 1]``: the CPU free stack; ``cpu_top``: ``int64 []``, its height.
@@ -40,6 +45,9 @@ class GroupTables:
     claim: torch.Tensor
     gpu_owner: torch.Tensor
     cpu_owner: torch.Tensor
+    shadow: torch.Tensor
+    shadows: bool
+    reclaim_cursor: torch.Tensor
     counters: torch.Tensor
     gpu: torch.Tensor
     cpu: torch.Tensor

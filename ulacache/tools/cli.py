@@ -150,8 +150,16 @@ def _replay(args: argparse.Namespace) -> int:
               cpu_slots=args.cpu_slots, layout=args.layout, n_buckets=args.buckets,
               progress=not args.json)
     t0 = time.perf_counter()
+    kw["shadows"] = args.shadows != "off"
     ula = replay(trace, policy=policy, **kw)
+    kw["shadows"] = ula.shadows
     logger.info("ulacache (%s) replay: %.1f s", policy, time.perf_counter() - t0)
+    write_back = None
+    if args.shadows == "both":  # the same replay with every eviction written back
+        t0 = time.perf_counter()
+        write_back = replay(trace, policy=policy, **(kw | {"shadows": False}))
+        logger.info("ulacache (%s, shadows off) replay: %.1f s", policy,
+                    time.perf_counter() - t0)
     lru = None
     if args.compare_lru:
         other = "lru" if policy == "pblru" else "pblru"
@@ -171,10 +179,12 @@ def _replay(args: argparse.Namespace) -> int:
     capacity = None if args.no_capacity else compare.capacity_summary()
     if args.json:
         print(json.dumps({"trace": str(path),
-                          **compare.report_dict(ula, hs, launches, capacity, lru)}))
+                          **compare.report_dict(ula, hs, launches, capacity, lru,
+                                                write_back)}))
     else:
         print(compare.format_report(trace, ula, hs, launches, capacity, lru,
-                                    seconds=time.perf_counter() - t_start))
+                                    seconds=time.perf_counter() - t_start,
+                                    write_back=write_back))
     return 0
 
 
@@ -267,6 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="skip the capacity section (GLM-5 on 8xH200 / 8xB300)")
     rp.add_argument("--threads", type=_int_at_least(1), default=1,
                     help="torch CPU threads (default 1: stable timings on a shared machine)")
+    rp.add_argument("--shadows", default="both", choices=["on", "off", "both"],
+                    help="write-back-free eviction (promoted rows keep their CPU copy): 'both' "
+                         "replays with it and again without, and reports the D2H of each")
     rp.add_argument("--json", action="store_true")
     rp.set_defaults(func=_replay)
 

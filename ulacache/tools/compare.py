@@ -81,8 +81,12 @@ def residency_rows(ula: ReplayResult, hs: HiSparseReplayResult, launches: dict) 
         Row("misses (rows CPU -> GPU)", ula.misses / s, hs.misses / s, False, "rows"),
         Row("H2D KB", ula.h2d_bytes_per_step / 1024, hs.h2d_bytes_per_step / 1024, False),
         Row("D2H KB", ula.d2h_bytes_per_step / 1024, hs.d2h_bytes_per_step / 1024, False,
-            note="ulacache's tiers are exclusive: an evicted row is written back; HiSparse's "
-                 "host mirror already holds every row, it backs up each new token once"),
+            note=("ulacache's tiers are exclusive: an evicted row without a CPU copy is "
+                  "written back (a row born on the GPU once; with shadows off, every time); "
+                  if ula.shadows else "ulacache's tiers are exclusive and shadows are off: "
+                  "every evicted row is written back; ")
+            + "HiSparse's host mirror already holds every row, it backs up each new token "
+              "once"),
         Row("PCIe KB, both directions", ula_pcie / 1024, hs.pcie_bytes_per_step / 1024, False),
         Row("kernel launches", lu["per_step"], lh["per_step"], False, "launches",
             note=f"ulacache: {lu['how']}; HiSparse: {lh['how']}"),
@@ -156,7 +160,7 @@ def _capacity_verdicts(cap: dict, plat: str) -> str:
 
 def format_report(trace, ula: ReplayResult, hs: HiSparseReplayResult, launches: dict,
                   capacity: dict | None, lru: ReplayResult | None = None,
-                  seconds: float | None = None) -> str:
+                  seconds: float | None = None, write_back: ReplayResult | None = None) -> str:
     """The report as text (see the module docstring)."""
     meta = trace.meta.raw
     rows = residency_rows(ula, hs, launches)
@@ -184,6 +188,8 @@ def format_report(trace, ula: ReplayResult, hs: HiSparseReplayResult, launches: 
     for r in rows:
         if r.note:
             lines.append(f"  {r.metric}: {r.note}")
+    if write_back is not None:
+        lines += format_shadows(ula, write_back)
     if capacity:
         lengths = capacity["lengths"]
         head = "".join(f"{'req@' + str(n // 1024) + 'K':>9}" for n in lengths)
@@ -266,9 +272,48 @@ def summary(rows: list[Row], capacity: dict | None) -> str:
     return text
 
 
+def shadow_summary(on: ReplayResult, off: ReplayResult) -> dict:
+    """Write-back-free eviction on the same selections: shadows on vs off, per step (all
+    groups). The GPU side is identical (``rows_identical``: every access returned the same
+    GPU rows), only the D2H differs."""
+    def side(r: ReplayResult) -> dict:
+        return {"h2d_bytes": r.h2d_bytes_per_step, "eviction_d2h_bytes":
+                r.eviction_d2h_bytes_per_step, "backup_d2h_bytes": r.backup_d2h_bytes_per_step,
+                "d2h_bytes": r.d2h_bytes_per_step, "remaps": r.remaps_per_step,
+                "reclaims": r.reclaims_per_step}
+    h2d = on.h2d_bytes_per_step or 1.0
+    return {"on": side(on), "off": side(off),
+            "rows_identical": on.rows_digest == off.rows_digest and on.misses == off.misses,
+            "eviction_d2h_over_h2d": {"on": on.eviction_d2h_bytes_per_step / h2d,
+                                      "off": off.eviction_d2h_bytes_per_step / h2d},
+            "d2h_over_h2d": {"on": on.d2h_bytes_per_step / h2d,
+                             "off": off.d2h_bytes_per_step / h2d}}
+
+
+def format_shadows(on: ReplayResult, off: ReplayResult) -> list[str]:
+    """The shadow comparison as text lines."""
+    s = shadow_summary(on, off)
+    kb = 1024.0
+    lines = ["", "Evictions without write-back (shadows) on the same selections, KB per step, "
+             "all layers:",
+             f"{'':<28}{'shadows on':>11}{'off':>11}"]
+    for label, key in (("H2D (promotions)", "h2d_bytes"),
+                       ("D2H eviction (rewrites)", "eviction_d2h_bytes"),
+                       ("D2H backup (first copies)", "backup_d2h_bytes"),
+                       ("D2H total", "d2h_bytes")):
+        lines.append(f"{label:<28}{s['on'][key] / kb:>11,.1f}{s['off'][key] / kb:>11,.1f}")
+    e, d = s["eviction_d2h_over_h2d"], s["d2h_over_h2d"]
+    lines.append(f"  eviction D2H / H2D {e['on']:.3f} on, {e['off']:.3f} off; total D2H / H2D "
+                 f"{d['on']:.3f} on, {d['off']:.3f} off; {s['on']['remaps']:,.1f} remaps and "
+                 f"{s['on']['reclaims']:,.1f} reclaims per step; every access returned "
+                 + ("the same GPU rows" if s["rows_identical"] else "DIFFERENT GPU rows (a bug)"))
+    return lines
+
+
 def report_dict(ula: ReplayResult, hs: HiSparseReplayResult, launches: dict,
-                capacity: dict | None, lru: ReplayResult | None = None) -> dict:
-    """The report as one JSON-able object."""
+                capacity: dict | None, lru: ReplayResult | None = None,
+                write_back: ReplayResult | None = None) -> dict:
+    """The report as one JSON-able object (``write_back``: the same replay, shadows off)."""
     results = [ula.to_dict()] + ([lru.to_dict()] if lru is not None else [])
     pcie = {r["policy"]: r["h2d_bytes_per_step"] + r["d2h_bytes_per_step"] for r in results}
     return {
@@ -278,4 +323,6 @@ def report_dict(ula: ReplayResult, hs: HiSparseReplayResult, launches: dict,
         "launches": launches, "capacity": capacity,
         "pcie_bytes_per_step_ratio_hisparse_over": {
             p: hs.pcie_bytes_per_step / v if v else None for p, v in pcie.items()},
+        "shadows": None if write_back is None else {
+            **shadow_summary(ula, write_back), "shadows_off": write_back.to_dict()},
     }

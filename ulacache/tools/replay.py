@@ -52,6 +52,14 @@ class ReplayResult:
     spills_per_step: float
     h2d_bytes_per_step: float  # CPU -> GPU: promoted rows
     d2h_bytes_per_step: float  # GPU -> CPU: write-backs of victims and spills of new rows
+    # ... of which rows written back a second time (the eviction path shadows remove) and a
+    # row's first copy to the CPU (births: rows placed on the GPU, evicted once)
+    eviction_d2h_bytes_per_step: float
+    backup_d2h_bytes_per_step: float
+    shadows: bool  # promoted rows kept their CPU copy (evictions remap, no write-back)
+    remaps_per_step: float  # evictions onto a shadow: no copy
+    reclaims_per_step: float  # shadows given back to make room
+    rows_digest: int  # of every GPU row the accesses returned: equal runs resolve alike
     sched_ms_per_step: float  # median: round start + placement + access of every group
     policy_ms_per_step: float  # median: the policy's own calls inside it
 
@@ -76,7 +84,7 @@ def plan_requests(trace: Trace, requests: int, steps: int) -> list[int]:
 def replay(trace: Trace, *, requests: int = 4, steps: int = 256, layers: list[int] | None = None,
            gpu_slots: int | None = None, cpu_slots: int | None = None, layout: str = "fp8",
            policy: str = "pblru", n_buckets: int = 64, page_size: int = 64,
-           progress: bool = False) -> ReplayResult:
+           progress: bool = False, shadows: bool = True) -> ReplayResult:
     """Replay ``trace`` through a :class:`UlaCache`; see the module docstring."""
     layers = list(range(trace.layers)) if layers is None else layers
     if not layers or any(not 0 <= x < trace.layers for x in layers):
@@ -93,7 +101,7 @@ def replay(trace: Trace, *, requests: int = 4, steps: int = 256, layers: list[in
     cfg = UlaCacheConfig(layout=layout, n_layers=len(layers), layers_per_group=1,
                          gpu_slots=gpu_slots, cpu_slots=cpu_slots, page_size=page_size,
                          max_requests=requests, n_buckets=n_buckets, policy=policy,
-                         validate=False)
+                         validate=False, shadows=shadows)
     cache = UlaCache(cfg)
     space = cache.space
     bar = _progress(progress, total=sum(int(pos[s]) for s in starts),
@@ -115,6 +123,8 @@ def replay(trace: Trace, *, requests: int = 4, steps: int = 256, layers: list[in
     bar = _progress(progress, total=steps, desc=f"replay {LABELS.get(policy, policy)}",
                     unit="step")
     sched, pol = [], []
+    digest = torch.zeros((), dtype=torch.int64)
+    weight = None
     for t in range(steps):
         p0 = sum(c.seconds for c in clocks)
         t0 = time.perf_counter()
@@ -125,10 +135,13 @@ def replay(trace: Trace, *, requests: int = 4, steps: int = 256, layers: list[in
         addrs = [torch.stack([cache.addresses(r, sel[g, starts[r] + t]) for r in
                               range(requests)]) for g in range(len(layers))]
         t2 = time.perf_counter()
-        for g in range(len(layers)):
-            space.access(g, addrs[g])
+        rows = [space.access(g, addrs[g]) for g in range(len(layers))]
         sched.append(time.perf_counter() - t2 + t1 - t0)
         pol.append(sum(c.seconds for c in clocks) - p0)
+        if weight is None:  # a fixed pseudo-random weight per (group, request, rank)
+            weight = torch.randint(1, 2**20, (len(layers), *rows[0].shape),
+                                   generator=torch.Generator().manual_seed(0))
+        digest = (digest * 31 + (torch.stack(rows).to(torch.int64) * weight).sum()) % (2**61 - 1)
         bar.update(1)
     bar.close()
     cache.check_integrity()
@@ -151,6 +164,11 @@ def replay(trace: Trace, *, requests: int = 4, steps: int = 256, layers: list[in
         spills_per_step=total("spills") / steps,
         h2d_bytes_per_step=total("promotions") * rb / steps,
         d2h_bytes_per_step=(total("writebacks") + total("spills")) * rb / steps,
+        eviction_d2h_bytes_per_step=total("rewrites") * rb / steps,
+        backup_d2h_bytes_per_step=(total("writebacks") + total("spills") - total("rewrites"))
+        * rb / steps,
+        shadows=shadows, remaps_per_step=total("remaps") / steps,
+        reclaims_per_step=total("reclaims") / steps, rows_digest=int(digest),
         sched_ms_per_step=1e3 * sorted(sched)[len(sched) // 2],
         policy_ms_per_step=1e3 * sorted(pol)[len(pol) // 2],
     )

@@ -50,6 +50,8 @@ class RankResult:
     peer_bytes_per_step: float  # peers' GPU pools -> this rank's buffer
     pcie_bytes_per_step: float  # promotions + write-backs + spills of this rank's rows
     in_place_bytes_per_step: float  # own rows read in place: what a local copy would move
+    eviction_d2h_bytes_per_step: float = 0.0  # own rows written back a second time
+    remaps: int = 0  # own rows evicted onto their shadow (no copy)
 
     @property
     def unique_share(self) -> float:
@@ -92,7 +94,7 @@ def replay_tp(trace: Trace, *, tp_size: int = 4, requests: int = 4, steps: int =
               layers: list[int] | None = None, gpu_slots: int | None = None,
               cpu_slots: int | None = None, buffer_slots: int | None = None,
               layout: str = "fp8", policy: str = "pblru", n_buckets: int = 64,
-              page_size: int = 64) -> TPReplayResult:
+              page_size: int = 64, shadows: bool = True) -> TPReplayResult:
     """Replay ``trace`` through ``tp_size`` ranks; see the module docstring. Pool sizes are
     per rank and group: GPU ``256 x requests / P``, CPU the rest of the rank's share of the
     live history, buffer ``requests x (k + 1)`` (one step's selections and new rows)."""
@@ -110,7 +112,7 @@ def replay_tp(trace: Trace, *, tp_size: int = 4, requests: int = 4, steps: int =
     cfg = UlaCacheConfig(layout=layout, n_layers=len(layers), layers_per_group=1,
                          gpu_slots=gpu_slots, cpu_slots=cpu_slots, page_size=page_size,
                          max_requests=requests, n_buckets=n_buckets, policy=policy,
-                         validate=False, tp_size=P, buffer_slots=buffer_slots)
+                         validate=False, tp_size=P, buffer_slots=buffer_slots, shadows=shadows)
     sel = torch.from_numpy(trace.selections[layers]).to(torch.int64)  # [groups, steps, k]
     chunk = max(1, min(gpu_slots * P // 2, buffer_slots * P // max(1, P - 1) // 2))
     groups = len(layers)
@@ -158,7 +160,9 @@ def replay_tp(trace: Trace, *, tp_size: int = 4, requests: int = 4, steps: int =
             peer_bytes_per_step=total("peer_fetches") * rb / steps,
             pcie_bytes_per_step=(total("promotions") + total("writebacks") + total("spills"))
             * rb / steps,
-            in_place_bytes_per_step=total("own_rows") * rb / steps)
+            in_place_bytes_per_step=total("own_rows") * rb / steps,
+            eviction_d2h_bytes_per_step=total("rewrites") * rb / steps,
+            remaps=total("remaps"))
 
     ranks = run_ranks(P, rank_main)
     return TPReplayResult(tp_size=P, steps=steps, requests=requests, groups=groups,

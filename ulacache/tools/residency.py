@@ -70,7 +70,8 @@ class Residency:
 
     def __init__(self, policy: str, gpu_slots: int, n_logical: int, n_buckets: int = 64,
                  device: torch.device | str = "cpu", bucket_fill: int | None = None,
-                 access_path: str = "auto", layers: int = 0, row_bytes: int = 16):
+                 access_path: str = "auto", layers: int = 0, row_bytes: int = 16,
+                 shadows: bool = True, cpu_slots: int | None = None):
         if bucket_fill is not None and policy != "pblru":
             raise ValueError("bucket_fill is a PB-LRU setting")
         # PB-LRU lives in a one-policy arena, as a serving address space keeps it (the fused
@@ -78,10 +79,13 @@ class Residency:
         self.arena = PBLRUArena(1, gpu_slots, n_buckets, device, bucket_fill) \
             if policy == "pblru" else None
         # layers > 0: real row pools (bench/decode_rows.py times the data movement too)
-        self.group = SelectionGroup(list(range(layers)), n_logical, gpu_slots, n_logical,
+        # cpu_slots: the CPU tier (default: as many as addresses, a tier that never fills)
+        cpu_slots = n_logical if cpu_slots is None else cpu_slots
+        self.group = SelectionGroup(list(range(layers)), n_logical, gpu_slots, cpu_slots,
                                     row_bytes, device,
                                     self.arena.policies[0] if self.arena else policy,
-                                    n_buckets, validate=False, access_path=access_path)
+                                    n_buckets, validate=False, access_path=access_path,
+                                    shadows=shadows)
         self.clock = PolicyClock(self.group.policy)
         self.result = SimResult()
 
