@@ -56,6 +56,7 @@ def record_launches(n_layers: int = 2, gpu_slots: int = 4096, row_bytes: int = 6
         fused.run(addrs, place=False, out=torch.empty(addrs.shape, dtype=torch.int32))
         fa.FusedAccess(no_shadows.tables).run(  # the access without shadows is another kernel
             addrs, place=False, out=torch.empty(addrs.shape, dtype=torch.int32))
+        fused.reclaim(addrs.numel())  # a placement's first launch (shadows)
         fused.run(addrs, place=True, victim_out=torch.empty(addrs.shape, dtype=torch.int64))
         fused.translate(addrs.to(torch.int32), torch.empty(addrs.shape, dtype=torch.int32))
         fused.run(addrs, place=False, out=torch.empty(addrs.shape, dtype=torch.int32),

@@ -215,6 +215,12 @@ class UlaCacheTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
             logger.warning("ulacache: prefill batch does not fit this round (%s)", exc)
             self.logical_attn_allocator.free(locs)
             return None
+        if not self.core.validate:
+            # Production: an address still mapped (only an upstream bug could hand one out)
+            # is released first, so that it is placed afresh and SGLang's write of its KV
+            # cannot land in a resident row whose shadow would then be stale (with validate
+            # on, check_place refused it above).
+            self.core.release(locs)
         self.core.place(locs)
         return locs
 

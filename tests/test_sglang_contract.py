@@ -515,3 +515,33 @@ def test_finishing_through_free_segment_is_sync_free_and_releases_every_page():
         h.alloc.free_segment(h.rtp.req_to_token[2, 1:5].long(), start_pos=1)
     h.finish(2, "finish")
     assert h.alloc.available_size() == h.alloc.size
+
+
+def test_prefill_over_a_still_mapped_address_leaves_no_stale_shadow(monkeypatch):
+    """Production mode: a prefill handed an address that is still mapped (an upstream double
+    allocation) releases it before placing it, so SGLang's KV write for it lands in a fresh
+    row instead of a resident row whose shadow (its CPU copy) would then be stale; integrity
+    (every shadow equals its GPU row) holds and the new bytes read back."""
+    h = Harness(False, validate=False)
+    h.prefill(0, 300, chunk=300)
+    h.prefill(1, 300, chunk=300)  # spills request 0's oldest rows to the CPU tier
+    for _ in range(4):
+        h.decode_step([0, 1])  # promotes some of them back: shadows kept
+    g = h.pool.core.groups[0]
+    G = g.gpu_slots
+    loc = g.loc[: g.n_logical]
+    gpu = (loc >= 0) & (loc < G)
+    shadowed = torch.nonzero(gpu & (g.shadow[loc.clamp(0, G)] >= 0)).view(-1)
+    assert shadowed.numel() > 0
+    addr = int(shadowed[0])
+    logical = h.alloc.logical_attn_allocator
+    monkeypatch.setattr(logical, "alloc_extend", lambda *a, **k: torch.tensor([addr]))
+    z = torch.zeros(1, dtype=torch.int64)
+    locs = h.alloc.alloc_extend(z, z, torch.tensor([1]), torch.tensor([1]), torch.tensor([-1]),
+                                1)
+    assert locs.tolist() == [addr]
+    assert int(g.shadow[int(g.loc[addr])]) < 0  # placed afresh: no shadow
+    h.write_kv(locs)
+    h.pool.core.check_integrity()
+    rows = h.pool.rows_of(0, locs)
+    h.check_rows(0, rows.to(torch.int32), locs)
