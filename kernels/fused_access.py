@@ -59,11 +59,9 @@ INTERPRETED = triton is not None and isinstance(tl.standard.sum, InterpretedFunc
 """Whether the kernels run under Triton's interpreter (fixed when Triton was imported)."""
 
 __all__ = ["available", "FusedAccess", "launch", "launches_recorded", "launch_count",
-           "in_launch", "translate", "equivalence_state", "LAUNCHES_PER_CALL",
-           "LAUNCHES_PER_PLACE"]
+           "in_launch", "translate", "equivalence_state", "LAUNCHES_PER_CALL"]
 
-LAUNCHES_PER_CALL = 4
-LAUNCHES_PER_PLACE = 5  # with shadows: their reclaim (one program) before K1..K4
+LAUNCHES_PER_CALL = 4  # an access, and a placement (its K1's program 0 reclaims shadows)
 _launches = 0
 _launching = False
 _interpreter_lock = threading.Lock()  # the interpreter's grid state is process-global
@@ -212,7 +210,15 @@ if triton is not None:
 
     @triton.jit
     def _k1_claim(addrs, local, loc, claim, phys_out, status, counters, n, N, NG, RANK,
-                  PLACE: tl.constexpr, TPP: tl.constexpr, BLOCK: tl.constexpr):
+                  shadow, cpu_owner, cpu_free, cpu_top, cursor, G,
+                  PLACE: tl.constexpr, SHADOWS: tl.constexpr, TPP: tl.constexpr,
+                  BLOCK: tl.constexpr):
+        if PLACE and SHADOWS:
+            # program 0 first gives back shadows until the free stack holds n slots (what
+            # this placement may pop): nothing else reads the stack or the shadows before K3
+            if tl.program_id(0) == 0:
+                reclaim_shadows(shadow, cpu_owner, cpu_free, cpu_top, cursor, counters, n, G,
+                                1024)
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         live = i < n
         raw = tl.load(addrs + i, mask=live, other=-1).to(tl.int64)
@@ -494,8 +500,14 @@ if triton is not None:
     @triton.jit
     def _reclaim(shadow, cpu_owner, cpu_free, cpu_top, cursor, counters, need, G,
                  BLOCK: tl.constexpr):
-        """One program: shadows back to the CPU free stack until it holds ``need`` slots,
-        scanning GPU slots from ``cursor`` (wrapping) only until enough were found."""
+        """One program: :func:`reclaim_shadows` alone (a placement runs it inside K1)."""
+        reclaim_shadows(shadow, cpu_owner, cpu_free, cpu_top, cursor, counters, need, G, BLOCK)
+
+    @triton.jit
+    def reclaim_shadows(shadow, cpu_owner, cpu_free, cpu_top, cursor, counters, need, G,
+                        BLOCK: tl.constexpr):
+        """Shadows back to the CPU free stack until it holds ``need`` slots, scanning GPU slots
+        from ``cursor`` (wrapping) only until enough were found (``SelectionGroup.reclaim``)."""
         top = tl.load(cpu_top)
         short = tl.maximum(need - top, 0)
         start = tl.load(cursor)
@@ -651,7 +663,8 @@ class FusedAccess:
         stamps = (p.round_of, p.epoch_of, p.round_t, p.epoch_t, p.entered)
         mode = dict(PLACE=place, BLOCK=self.BLOCK)
         launch(_k1_claim, grid, addrs, local, g.loc, g.claim, phys, status, g.counters, n, N,
-                n_global, rank, TPP=P, **mode)
+                n_global, rank, g.shadow, g.cpu_owner, g.cpu_free, g.cpu_top, g.reclaim_cursor,
+                G, SHADOWS=g.shadows and place, TPP=P, **mode)  # (one access variant)
         launch(_k2_first_touch, grid, local, g.claim, phys, status, block_want, block_took,
                 block_back, victim,
                 g.counters,
@@ -675,7 +688,7 @@ class FusedAccess:
 
     def reclaim(self, need: int) -> None:
         """Shadows back to the free stack until it holds ``need`` slots: one launch of one
-        program (``ulacache.group.SelectionGroup.reclaim``; a placement's fifth launch)."""
+        program (``ulacache.group.SelectionGroup.reclaim``; a placement does it in its K1)."""
         g = self.g
         launch(_reclaim, (1,), g.shadow, g.cpu_owner, g.cpu_free, g.cpu_top, g.reclaim_cursor,
                g.counters, need, g.gpu_slots, BLOCK=1024)

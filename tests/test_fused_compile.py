@@ -28,7 +28,8 @@ def test_every_fused_kernel_compiles_for_sm90_without_spills():
                      "_k4_assign_translate", "_translate", "claim_in_range",
                      "_g2_first_hits", "_g3_claim_slots", "_g4_assign_rows", "_advance_kernel",
                      "_r2_drop", "_r3_push", "_reclaim"}
-    # K1..K4 for access and for place, K3 / K4 of an access without shadows, the reclaim,
+    # K1..K4 for access and for place (its K1 reclaims shadows), K3 / K4 of an access without
+    # shadows, the standalone reclaim,
     # translate, K1 striped (TP), the claim kernel (G1 and R1), G2..G4, the round start, R2,
     # R3; K3 (with and without shadows, and place), G3 and the round start again (other
     # widths) for the second geometry

@@ -409,7 +409,7 @@ class SelectionGroup:
         if self._checking():
             self.check_place(addrs)
         slot = torch.empty(addrs.numel(), dtype=torch.int64, device=self.device)
-        self.reclaim(addrs.numel())
+        # its K1 reclaims shadows first, as _place_torch does
         self.fused.run(addrs.reshape(-1).contiguous(), place=True, victim_out=slot)
         return slot
 
@@ -478,9 +478,9 @@ class SelectionGroup:
 
         Shadows are taken in GPU-slot order from a rotating cursor (``reclaim_cursor``, just
         past the last one taken), not by age: under LRU the oldest shadows are those of the
-        next victims, the ones worth keeping. No sync; the fused path is one launch that scans
-        only until it has enough (one block when none is needed). Never inside an access, so
-        never a shadow a copy of the same launch reads."""
+        next victims, the ones worth keeping. No sync; the fused path is one program that scans
+        only until it has enough (one block when none is needed), inside the placement's first
+        launch. Never inside an access, so never a shadow a copy of the same launch reads."""
         if self.shadows:
             self._reclaim(int(need))
 
