@@ -916,6 +916,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="HiSparse host_to_device_ratio values to tune over")
     ap.add_argument("--ula-ratios", default="1,2,3,4,6,8",
                     help="ulacache cpu_ratio values to tune over")
+    ap.add_argument("--wb-ratios", default="1,2,4",
+                    help="cpu_ratio values for ulacache with shadows off (ulacache_wb); its "
+                         "peaks fall past c = 2 in every column, as ulacache's do")
     ap.add_argument("--no-tune", action="store_true",
                     help="use the first value of each tuning list only")
     ap.add_argument("--seeds", type=int, default=3)
@@ -956,7 +959,7 @@ def main(argv: list[str] | None = None) -> int:
         grids = {"hisparse": [Tuning("hisparse", x, h) for h in _ints(a.hs_buffers)
                               for x in _ints(a.hs_ratios)],
                  "ulacache": [Tuning("ulacache", c) for c in _ints(a.ula_ratios)],
-                 "ulacache_wb": [Tuning("ulacache_wb", c) for c in _ints(a.ula_ratios)],
+                 "ulacache_wb": [Tuning("ulacache_wb", c) for c in _ints(a.wb_ratios)],
                  "resident": [Tuning("resident")]}
     except ValueError as e:
         ap.error(f"lists are comma-separated integers: {e}")

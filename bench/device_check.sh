@@ -121,7 +121,8 @@ tail -n 25 "$LOGDIR/hisparse_h2h.log"
 # a few steps each; the full sweep is `python bench/decode_sweep.py` (tuning, 3 seeds).
 echo "== bench/decode_sweep.py --real-rows --scale 1 --levels 64,128 --steps 16"
 timeout "${SWEEP_TIMEOUT:-90}" "$PY" bench/decode_sweep.py --real-rows --scale 1 --seeds 1 \
-    --hs-buffers 4096 --hs-ratios 4 --ula-ratios 1 --levels 64,128 --steps 16 --warmup 4 \
+    --hs-buffers 4096 --hs-ratios 4 --ula-ratios 1 --wb-ratios 1 --levels 64,128 --steps 16 \
+    --warmup 4 \
     --no-png --quiet --json --out "$LOGDIR/decode_sweep" \
     > "$LOGDIR/decode_sweep.json" 2> "$LOGDIR/decode_sweep.log"
 SWEEP_RC=$?
