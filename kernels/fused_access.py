@@ -210,15 +210,16 @@ if triton is not None:
 
     @triton.jit
     def _k1_claim(addrs, local, loc, claim, phys_out, status, counters, n, N, NG, RANK,
-                  shadow, cpu_owner, cpu_free, cpu_top, cursor, G,
+                  shadow, cpu_owner, cpu_free, cpu_top, cursor, rowc, G,
                   PLACE: tl.constexpr, SHADOWS: tl.constexpr, TPP: tl.constexpr,
                   BLOCK: tl.constexpr):
         if PLACE and SHADOWS:
-            # program 0 first gives back shadows until the free stack holds n slots (what
-            # this placement may pop): nothing else reads the stack or the shadows before K3
+            # program 0 first gives back shadows until the free stack holds what this placement
+            # may pop (its entries beyond the free GPU slots, PB-LRU's free row count):
+            # nothing else reads the stack or the shadows before K3
             if tl.program_id(0) == 0:
-                reclaim_shadows(shadow, cpu_owner, cpu_free, cpu_top, cursor, counters, n, G,
-                                1024)
+                reclaim_shadows(shadow, cpu_owner, cpu_free, cpu_top, cursor, counters,
+                                n - tl.load(rowc), G, 1024)
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         live = i < n
         raw = tl.load(addrs + i, mask=live, other=-1).to(tl.int64)
@@ -664,7 +665,7 @@ class FusedAccess:
         mode = dict(PLACE=place, BLOCK=self.BLOCK)
         launch(_k1_claim, grid, addrs, local, g.loc, g.claim, phys, status, g.counters, n, N,
                 n_global, rank, g.shadow, g.cpu_owner, g.cpu_free, g.cpu_top, g.reclaim_cursor,
-                G, SHADOWS=g.shadows and place, TPP=P, **mode)  # (one access variant)
+                p.row_counts, G, SHADOWS=g.shadows and place, TPP=P, **mode)  # (one access variant)
         launch(_k2_first_touch, grid, local, g.claim, phys, status, block_want, block_took,
                 block_back, victim,
                 g.counters,

@@ -63,8 +63,8 @@ def test_end_to_end_writes_csv_md_json(tmp_path, triton):
         [sys.executable, str(ROOT / "bench" / "decode_sweep.py"), "--json", "--quiet",
          "--levels", "2,4", "--steps", "5", "--warmup", "2", "--seeds", "2", "--scale", "32",
          "--requests", "40", "--hs-buffers", "4096", "--hs-ratios", "2,4", "--ula-ratios",
-         "2,4", "--wb-ratios", "2,4", "--max-input", "3000", "--max-output", "64", "--trace", str(FIXTURE),
-         "--no-png", "--out", str(tmp_path)],
+         "2,4", "--wb-ratios", "2,4", "--max-input", "3000", "--max-output", "64", "--trace",
+         str(FIXTURE), "--no-png", "--out", str(tmp_path)],
         capture_output=True, text=True, check=True, timeout=300, env=env)
     res = json.loads(out.stdout)
     assert set(res["ula_launch_counts"]) == ({"fused", "torch"} if triton else {"torch"})

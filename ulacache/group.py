@@ -418,8 +418,9 @@ class SelectionGroup:
         flat, fresh, bad = self._place_plan(addrs)
         if self._checking():
             self._validate_place(flat, fresh, bad)
-        self.reclaim(flat.numel())
         G, C = self.gpu_slots, self.cpu_slots
+        if self.shadows:  # victims beyond the free GPU slots may pop: that much stack first
+            self._reclaim_torch(flat.numel() - (G - self.policy.used_count()))
         rank = torch.cumsum(fresh, 0) - 1
         cand = self.policy.victims(flat.numel())
         slot = torch.where(fresh, cand[rank.clamp(min=0)], -1)
@@ -474,7 +475,8 @@ class SelectionGroup:
 
     def reclaim(self, need: int) -> None:
         """Give shadows back to the CPU free stack until it holds ``need`` slots (or no shadow
-        is left): what a placement of ``need`` rows may pop (:meth:`place` calls it first).
+        is left). :meth:`place` does it first for what it may pop: its entries beyond the free
+        GPU slots.
 
         Shadows are taken in GPU-slot order from a rotating cursor (``reclaim_cursor``, just
         past the last one taken), not by age: under LRU the oldest shadows are those of the
@@ -487,7 +489,7 @@ class SelectionGroup:
     def _reclaim_fused(self, need: int) -> None:
         self.fused.reclaim(need)
 
-    def _reclaim_torch(self, need: int) -> None:
+    def _reclaim_torch(self, need: int | torch.Tensor) -> None:
         G = self.gpu_slots
         scan = torch.arange(G, device=self.device)
         order = (scan + self.reclaim_cursor) % G
