@@ -205,7 +205,9 @@ HOSTILE_MUTANTS = [  # refusals that change nothing, and TP verdicts every rank 
      'if m["shape"] != ref["shape"]:', "open_peers: a dtype mismatch accepted"),
 ]
 # Not listed: equivalent mutants (no observable change), e.g. PBLRU.touch moving a slot that is
-# already in the current bucket to the current bucket again (the bit and count moves cancel).
+# already in the current bucket to the current bucket again (the bit and count moves cancel);
+# a placement handing back the stack slots of every remapped victim rather than of those that
+# took one (the reclaim before it guarantees that every occupied victim takes one).
 
 PIECES_TESTS = ["tests/test_core.py", "tests/test_fused_access.py", "-k",
                 "chunked or scratch"]
@@ -240,7 +242,7 @@ DISTINCT_MUTANTS = [  # a prefill table's one access on its distinct addresses
      "        bound = self.buffer_slots\n", "TP access_distinct bounded by the buffer alone"),
 ]
 
-SHADOW_TESTS = ["tests/test_shadows.py", "tests/test_stateful.py", "-k",
+SHADOW_TESTS = ["tests/test_shadows.py", "tests/test_stateful.py", "tests/test_core.py", "-k",
                 "not fused and not tight"]
 SHADOW_MUTANTS = [  # evictions without write-back, torch path
     (G, "keep = ok & ~swap if self.shadows", "keep = ok if self.shadows",
@@ -252,9 +254,8 @@ SHADOW_MUTANTS = [  # evictions without write-back, torch path
      "shadows: release keeps a shadow in CPU slot 0"),
     (G, "take = live & (torch.cumsum(live, 0) <= short)",
      "take = live & (torch.cumsum(live, 0) < short)", "shadows: reclaim one short"),
-    (G, "        self._settle_stack(took, took & remap, popped)\n        slot = torch.where",
-     "        self._settle_stack(took, remap, popped)\n        slot = torch.where",
-     "shadows: place hands back a stack slot it never took"),
+    (G, "        self.cpu_owner.index_put_((torch.where(take, had, self.cpu_slots),),\n",
+     "        (\n", "shadows: a reclaimed slot keeps its owner"),
     (G, "remap = owned & (had >= 0)  # the victim's shadow", "remap = owned & (had > 0)  #",
      "shadows: a shadow in CPU slot 0 never used"),
     (G, "rewrites=(copy_out & (had == WAS_ON_CPU)).sum())",

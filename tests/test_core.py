@@ -301,12 +301,16 @@ def test_counters_and_bytes_match_an_independent_count():
     s, g = c.space, c.space.groups[0]
     G = g.gpu_slots
     exp = dict.fromkeys(("accesses", "gpu_hits", "promotions", "writebacks", "placed", "spills",
-                         "remaps"), 0)
+                         "remaps", "rewrites"), 0)
+    been_on_cpu = torch.zeros_like(g.loc, dtype=torch.bool)  # seen in the CPU tier so far
 
     def evicted(before, shadow_before):
-        """(copied, remapped): rows that left the GPU, by a copy or onto their shadow."""
+        """(copied, remapped): rows that left the GPU, by a copy or onto their shadow; copies
+        of rows seen in the CPU tier before are rewrites."""
         down = (before < G) & (before >= 0) & (g.loc >= G)
         onto = down & (g.loc - G == shadow_before[before.clamp(0, G)].to(torch.int64))
+        exp["rewrites"] += int((down & ~onto & been_on_cpu).sum())
+        been_on_cpu.logical_or_(g.loc >= G)
         return int((down & ~onto).sum()), int(onto.sum())
 
     gen = torch.Generator().manual_seed(7)
@@ -482,3 +486,26 @@ def test_a_refused_chunked_call_changes_nothing():
     g.release(torch.arange(1, 300))  # chunked release of everything
     assert int(g.policy.used_count()) == 0
     g.check_integrity()
+
+
+@pytest.mark.parametrize("shadows", [True, False])
+def test_address_zero_is_evicted_like_any_other(shadows):
+    """Address 0, the least recently used row (exact LRU), is the victim of a promotion: it is
+    written back (or remapped) and keeps its bytes like any other address (an owner test of
+    ``> 0`` instead of ``>= 0`` would leave it mapped to a slot another row now holds)."""
+    from ulacache.group import SelectionGroup
+
+    g = SelectionGroup([0], 16, 4, 12, 8, "cpu", "lru", 2, validate=True, shadows=shadows)
+    rows = {a: torch.full((1, 8), 10 + a, dtype=torch.uint8) for a in range(8)}
+    for batch in ([4, 5, 6, 7], [0], [1, 2, 3]):  # 4..7 spilled; 0 the oldest on the GPU
+        g.policy.advance()
+        g.place(torch.tensor(batch))
+        for a in batch:
+            g.write(0, torch.tensor([a]), rows[a])
+    assert int(g.loc[0]) < g.gpu_slots and int(g.loc[4]) >= g.gpu_slots
+    g.policy.advance()
+    g.access(torch.tensor([[4]]))
+    assert int(g.loc[0]) >= g.gpu_slots  # 0 was the victim
+    g.check_integrity()
+    for a in range(8):
+        assert torch.equal(g.read(0, torch.tensor([a])), rows[a]), a
