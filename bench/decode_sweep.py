@@ -340,9 +340,8 @@ def run_level(policy: str, concurrency: int, cfg: Config, requests: list[Request
     ``cfg`` is already at its simulated scale. ``counts``: ulacache's launch counts per path
     (:func:`count_launches`; ``cfg.ula_path`` times the step, the other is reported).
     ``selections`` / ``hisparse``: the seed's shared caches (made here when absent)."""
-    system = policy
-    if policy == "ulacache_wb":  # ulacache with shadows off
-        policy, cfg = "ulacache", replace(cfg, shadows=False)
+    system, policy = policy, POLICY[policy]
+    cfg = replace(cfg, shadows=system != "ulacache_wb")  # ulacache_wb: shadows off
     selections = selections or SelectionCache(model, cfg.k, cfg.seed)
     hisparse = hisparse or HiSparseCache(selections)
     mem = Memory(policy, cfg)

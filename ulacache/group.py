@@ -376,6 +376,10 @@ class SelectionGroup:
         """``keep`` restricted to the first occurrence of each address (claim table)."""
         return first_occurrence(self.claim_table, safe, keep)
 
+    def _shadow_of(self, slots: torch.Tensor) -> torch.Tensor:
+        """``int64`` shadow entries of GPU ``slots`` (``gpu_slots``: the scratch entry)."""
+        return self.shadow[slots].to(torch.int64)
+
     def _li(self, layer: int) -> int:
         if isinstance(layer, bool) or not isinstance(layer, int) or layer not in self.layer_index:
             raise ShapeError(f"layer {layer!r} is not in this group {self.layers}")
@@ -426,7 +430,7 @@ class SelectionGroup:
         slot = torch.where(fresh, cand[rank.clamp(min=0)], -1)
         vs = torch.where(slot >= 0, slot, G)
         owner = self.gpu_owner[vs]
-        had = self.shadow[vs].to(torch.int64)
+        had = self._shadow_of(vs)
         occupied = (slot >= 0) & (owner >= 0)
         remap = occupied & (had >= 0)  # evicted onto its shadow: no copy, no free slot used
         took, popped = self._pop_in_victim_order(occupied)
@@ -493,7 +497,7 @@ class SelectionGroup:
         G = self.gpu_slots
         scan = torch.arange(G, device=self.device)
         order = (scan + self.reclaim_cursor) % G
-        had = self.shadow[order].to(torch.int64)
+        had = self._shadow_of(order)
         live = had >= 0
         short = (need - self.pools.cpu_top).clamp(min=0)
         take = live & (torch.cumsum(live, 0) <= short)
@@ -556,7 +560,7 @@ class SelectionGroup:
         gidx = torch.where((phys >= 0) & (phys < G), phys, G)
         self.pools.gpu[li].index_copy_(0, gidx, rows.to(self.device))
         # a GPU row's shadow is written through: it stays an exact copy
-        had = self.shadow[gidx].to(torch.int64)
+        had = self._shadow_of(gidx)
         cidx = torch.where(phys >= G, phys - G, torch.where(had >= 0, had, self.cpu_slots))
         self.pools.cpu[li].index_copy_(0, cidx.to(self.pools.cpu.device),
                                        rows.to(self.pools.cpu.device))
@@ -672,7 +676,7 @@ class SelectionGroup:
         vs = torch.where(ok, victim, G)
         owner = self.gpu_owner[vs]
         owned = ok & (owner >= 0)
-        had = self.shadow[vs].to(torch.int64)
+        had = self._shadow_of(vs)
         remap = owned & (had >= 0)  # the victim's shadow becomes its CPU copy: no copy out
         copy_out = owned & ~remap
         if self.shadows:  # a written-back victim takes a free CPU slot if there is one ...
@@ -809,7 +813,7 @@ class SelectionGroup:
         on_gpu = drop & (phys < G)
         on_cpu = drop & (phys >= G)
         gslot = torch.where(on_gpu, phys, -1)
-        had = self.shadow[torch.where(on_gpu, phys, G)].to(torch.int64)
+        had = self._shadow_of(torch.where(on_gpu, phys, G))
         shadowed = on_gpu & (had >= 0)  # the row's shadow is freed with it
         cslot = torch.where(on_cpu, phys - G, torch.where(shadowed, had, -1))
         self.loc.index_put_((torch.where(drop, flat, self.n_logical),),
