@@ -140,6 +140,7 @@ if triton is not None:
     # victim remapped to its shadow, whose popped CPU slot goes back to the stack in K4
     KEEP, FIRST, WANT, MOVED, INVALID, BACK = (tl.constexpr(1 << b) for b in range(6))
     WAS_ON_CPU = tl.constexpr(-2)  # ulacache.group.WAS_ON_CPU; BORN is -1
+    RECENT = tl.constexpr(2)  # ulacache.group.RECLAIM_RECENT_ROUNDS
     INVALID_ROW = tl.constexpr(-2)  # ulacache.tp.INVALID_ROW: a TP owner's "not stored"
     NO_CLAIM = tl.constexpr(2**63 - 1)
     FREE = tl.constexpr(-(2**62))
@@ -210,7 +211,7 @@ if triton is not None:
 
     @triton.jit
     def _k1_claim(addrs, local, loc, claim, phys_out, status, counters, n, N, NG, RANK,
-                  shadow, cpu_owner, cpu_free, cpu_top, cursor, rowc, G,
+                  shadow, cpu_owner, cpu_free, cpu_top, cursor, rowc, round_of, round_t, G,
                   PLACE: tl.constexpr, SHADOWS: tl.constexpr, TPP: tl.constexpr,
                   BLOCK: tl.constexpr):
         if PLACE and SHADOWS:
@@ -219,7 +220,7 @@ if triton is not None:
             # nothing else reads the stack or the shadows before K3
             if tl.program_id(0) == 0:
                 reclaim_shadows(shadow, cpu_owner, cpu_free, cpu_top, cursor, counters,
-                                n - tl.load(rowc), G, 1024)
+                                round_of, round_t, n - tl.load(rowc), G, 1024)
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         live = i < n
         raw = tl.load(addrs + i, mask=live, other=-1).to(tl.int64)
@@ -499,36 +500,47 @@ if triton is not None:
             tl.store(out + i, rows.to(tl.int32), mask=live)
 
     @triton.jit
-    def _reclaim(shadow, cpu_owner, cpu_free, cpu_top, cursor, counters, need, G,
-                 BLOCK: tl.constexpr):
+    def _reclaim(shadow, cpu_owner, cpu_free, cpu_top, cursor, counters, round_of, round_t,
+                 need, G, BLOCK: tl.constexpr):
         """One program: :func:`reclaim_shadows` alone (a placement runs it inside K1)."""
-        reclaim_shadows(shadow, cpu_owner, cpu_free, cpu_top, cursor, counters, need, G, BLOCK)
+        reclaim_shadows(shadow, cpu_owner, cpu_free, cpu_top, cursor, counters, round_of,
+                        round_t, need, G, BLOCK)
 
     @triton.jit
-    def reclaim_shadows(shadow, cpu_owner, cpu_free, cpu_top, cursor, counters, need, G,
-                        BLOCK: tl.constexpr):
-        """Shadows back to the CPU free stack until it holds ``need`` slots, scanning GPU slots
-        from ``cursor`` (wrapping) only until enough were found (``SelectionGroup.reclaim``)."""
+    def reclaim_shadows(shadow, cpu_owner, cpu_free, cpu_top, cursor, counters, round_of,
+                        round_t, need, G, BLOCK: tl.constexpr):
+        """Shadows back to the CPU free stack until it holds ``need`` slots: those of rows
+        touched in the last ``RECENT`` rounds first, then the others, each pass scanning GPU
+        slots from ``cursor`` (wrapping) only until enough were found; the cursor moves past
+        the last one the second pass took (``SelectionGroup.reclaim``).
+
+        The second pass reads only older slots' shadows, which the first pass never writes:
+        no store of one pass is read back by another thread of this program."""
         top = tl.load(cpu_top)
         short = tl.maximum(need - top, 0)
         start = tl.load(cursor)
+        since = tl.load(round_t) - (RECENT - 1)
         taken = tl.sum(tl.zeros([BLOCK], tl.int64))
         last = taken - 1
-        j0 = taken
-        while (taken < short) & (j0 < G):
-            j = j0 + tl.arange(0, BLOCK).to(tl.int64)
-            inr = j < G
-            slot = (start + j) % G
-            had = tl.load(shadow + slot, mask=inr, other=-1).to(tl.int64)
-            live = inr & (had >= 0)
-            rank = taken + tl.cumsum(live.to(tl.int64), 0)  # 1-based, in scan order
-            take = live & (rank <= short)
-            tl.store(cpu_free + top + rank - 1, had, mask=take)
-            tl.store(cpu_owner + had, tl.full(had.shape, -1, tl.int64), mask=take)
-            tl.store(shadow + slot, tl.full(slot.shape, WAS_ON_CPU, tl.int32), mask=take)
-            taken += tl.sum(take.to(tl.int64))
-            last = tl.maximum(last, tl.max(tl.where(take, j, -1)))
-            j0 += BLOCK
+        for second in tl.static_range(2):
+            j0 = taken * 0
+            while (taken < short) & (j0 < G):
+                j = j0 + tl.arange(0, BLOCK).to(tl.int64)
+                inr = j < G
+                slot = (start + j) % G
+                older = tl.load(round_of + slot, mask=inr, other=0) < since
+                want = (inr & older) if second == 1 else (inr & ~older)
+                had = tl.load(shadow + slot, mask=want, other=-1).to(tl.int64)
+                live = want & (had >= 0)
+                rank = taken + tl.cumsum(live.to(tl.int64), 0)  # 1-based, in pass order
+                take = live & (rank <= short)
+                tl.store(cpu_free + top + rank - 1, had, mask=take)
+                tl.store(cpu_owner + had, tl.full(had.shape, -1, tl.int64), mask=take)
+                tl.store(shadow + slot, tl.full(slot.shape, WAS_ON_CPU, tl.int32), mask=take)
+                taken += tl.sum(take.to(tl.int64))
+                if second == 1:
+                    last = tl.maximum(last, tl.max(tl.where(take, j, -1)))
+                j0 += BLOCK
         tl.store(cpu_top, top + taken)
         tl.store(cursor, tl.where(last >= 0, (start + last + 1) % G, start))
         tl.atomic_add(counters + C_RECLAIMS, taken, sem="relaxed")
@@ -665,7 +677,8 @@ class FusedAccess:
         mode = dict(PLACE=place, BLOCK=self.BLOCK)
         launch(_k1_claim, grid, addrs, local, g.loc, g.claim, phys, status, g.counters, n, N,
                 n_global, rank, g.shadow, g.cpu_owner, g.cpu_free, g.cpu_top, g.reclaim_cursor,
-                p.row_counts, G, SHADOWS=g.shadows and place, TPP=P, **mode)  # (one access variant)
+                p.row_counts, p.round_of, p.round_t, G, SHADOWS=g.shadows and place, TPP=P,
+                **mode)  # (one access variant)
         launch(_k2_first_touch, grid, local, g.claim, phys, status, block_want, block_took,
                 block_back, victim,
                 g.counters,
@@ -691,8 +704,9 @@ class FusedAccess:
         """Shadows back to the free stack until it holds ``need`` slots: one launch of one
         program (``ulacache.group.SelectionGroup.reclaim``; a placement does it in its K1)."""
         g = self.g
+        p = g.policy
         launch(_reclaim, (1,), g.shadow, g.cpu_owner, g.cpu_free, g.cpu_top, g.reclaim_cursor,
-               g.counters, need, g.gpu_slots, BLOCK=1024)
+               g.counters, p.round_of, p.round_t, need, g.gpu_slots, BLOCK=1024)
 
     def translate(self, addrs: torch.Tensor, out: torch.Tensor, row_base: int = 0
                   ) -> torch.Tensor:

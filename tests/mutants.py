@@ -245,7 +245,7 @@ DISTINCT_MUTANTS = [  # a prefill table's one access on its distinct addresses
 ]
 
 SHADOW_TESTS = ["tests/test_shadows.py", "tests/test_stateful.py", "tests/test_core.py", "-k",
-                "not fused and not tight"]
+                "not fused and not tight or reclaim"]
 SHADOW_MUTANTS = [  # evictions without write-back, torch path
     (G, "keep = ok & ~swap if self.shadows", "keep = ok if self.shadows",
      "shadows: a swapped-out slot also kept as the promoted row's shadow"),
@@ -264,6 +264,12 @@ SHADOW_MUTANTS = [  # evictions without write-back, torch path
      "rewrites=(copy_out & (had < 0)).sum())", "shadows: first write-backs counted as rewrites"),
     (G, "        self.shadow.index_put_((torch.where(ok, slot, G),),\n", "        (\n",
      "shadows: a placed row inherits its victim's shadow"),
+    (G, "by_age = torch.sort(older.to(torch.int8), stable=True).indices",
+     "by_age = torch.sort((~older).to(torch.int8), stable=True).indices",
+     "shadows: reclaim takes the oldest shadows first"),
+    (G, "last = torch.where(take & older, scan[by_age], -1).max()",
+     "last = torch.where(take, scan[by_age], -1).max()",
+     "shadows: recent reclaims move the cursor too"),
 ]
 FUSED_SHADOW_TESTS = ["tests/test_shadows.py", "-k", "fused or tight"]
 FUSED_SHADOW_MUTANTS = [  # the same in the kernels, vs the torch path
@@ -280,6 +286,11 @@ FUSED_SHADOW_MUTANTS = [  # the same in the kernels, vs the torch path
      "", "fused shadows: a placed row inherits its victim's shadow"),
     (F, "        tl.store(block_back + pid, 0)\n", "",
      "fused shadows: hand-back counts carried over from the last call"),
+    (F, "want = (inr & older) if second == 1 else (inr & ~older)",
+     "want = (inr & ~older) if second == 1 else (inr & older)",
+     "fused shadows: reclaim takes the oldest shadows first"),
+    (F, "since = tl.load(round_t) - (RECENT - 1)", "since = tl.load(round_t)",
+     "fused shadows: only this round's rows count as recent"),
 ]
 
 INTERFACE_TESTS = ["tests/test_core_interface.py"]

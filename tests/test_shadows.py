@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.fused_helpers import TwinDriver, make_twins
+from tests.fused_helpers import TwinDriver, assert_same, make_twins
 from ulacache.group import BORN, COUNTERS, SelectionGroup, live_shadows, occupancy
 from ulacache.kernels import fused_access
 
@@ -178,3 +178,40 @@ def test_tp_owners_keep_their_shadows_locally():
         assert a.remaps > 0 and b.remaps == 0
         assert a.eviction_d2h_bytes_per_step < b.eviction_d2h_bytes_per_step
         assert a.pcie_bytes_per_step < b.pcie_bytes_per_step
+
+
+def test_reclaim_gives_back_recently_touched_rows_shadows_first_torch_and_fused():
+    """Eight GPU rows with shadows: 0-3 last touched two rounds back, 4-7 in the last round
+    (the next victims are 0-3, whose shadows make their eviction free). Reclaims take 4-7's
+    shadows first, in cursor order, and move the cursor only for the older ones; both paths
+    agree step by step."""
+    ref, fused = make_twins(1, 64, 8, 24, 8, 2)
+    for g in (ref, fused):
+        addrs = torch.arange(32)
+        for i in range(0, 32, 8):  # 32 rows: 8 on the GPU, 24 in a full CPU tier
+            g.policy.advance()
+            g.place(addrs[i:i + 8])
+        g.policy.advance()
+        g.release(addrs[24:])  # eight free GPU slots
+        g.policy.advance()
+        g.access(torch.arange(4).view(1, -1))  # rows 0-3 promoted: four shadows
+        g.policy.advance()
+        g.access(torch.arange(4, 8).view(1, -1))  # rows 4-7: four more, one round later
+        g.policy.advance()
+        assert int(g.pools.cpu_top) == 0
+
+    def shadowed(g: SelectionGroup, rows: range) -> list[int]:
+        return [a for a in rows if int(g.shadow[int(g.loc[a])]) >= 0]
+
+    cursor_moves = []
+    for need, old_left, new_left in ((2, 4, 2), (4, 4, 0), (6, 2, 0)):
+        for g in (ref, fused):
+            before = int(g.reclaim_cursor)
+            g.reclaim(need)
+            g.check_integrity()
+            assert int(g.pools.cpu_top) == need
+            assert len(shadowed(g, range(4))) == old_left, (g.fused, need)
+            assert len(shadowed(g, range(4, 8))) == new_left, (g.fused, need)
+            cursor_moves.append(int(g.reclaim_cursor) != before)
+        assert_same(ref, fused, f"reclaim({need})")
+    assert cursor_moves == [False, False, False, False, True, True]

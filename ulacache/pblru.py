@@ -95,6 +95,12 @@ class ReplacementPolicy(ABC):
     def used_mask(self) -> torch.Tensor:
         """``bool [n_slots]``: slots that are not free."""
 
+    @abstractmethod
+    def last_round(self) -> torch.Tensor:
+        """``int64 [n_slots]`` view: the round each slot was last touched (a negative value for
+        free slots). Read by the shadow reclaim, which gives back the shadows of the most
+        recently touched rows first."""
+
     def used_count(self) -> torch.Tensor:
         return self.used_mask().sum(dtype=torch.int64)
 
@@ -338,6 +344,9 @@ class PBLRU(ReplacementPolicy):
     def used_mask(self) -> torch.Tensor:
         return self.round_of[: self.n_slots] != _FREE
 
+    def last_round(self) -> torch.Tensor:
+        return self.round_of[: self.n_slots]
+
     def bucket_of(self, slots: torch.Tensor) -> torch.Tensor:
         """Bucket row of each slot (0 free, 1 cold, 2 + i recent ring row i, n_b + 2 current);
         for tests and metrics."""
@@ -454,6 +463,9 @@ class ExactLRU(ReplacementPolicy):
 
     def used_mask(self) -> torch.Tensor:
         return self.stamp[: self.n_slots] >= 0
+
+    def last_round(self) -> torch.Tensor:
+        return self.stamp[: self.n_slots]
 
     def check_integrity(self) -> None:
         assert bool((self.stamp[: self.n_slots] <= self.round_t).all()), "stamp from the future"
