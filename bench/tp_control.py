@@ -56,7 +56,7 @@ class OpCounter(TorchDispatchMode):
 
 
 def _metadata_bytes(g: SelectionGroup) -> int:
-    tensors = [g.loc, g.gpu_owner, g.cpu_owner, g.claim_table, g.pools.cpu_free]
+    tensors = [g.loc, g.gpu_owner, g.shadow, g.claim_table, g.pools.cpu_free]
     tensors += [v for v in vars(g.policy).values() if isinstance(v, torch.Tensor)]
     return sum(t.numel() * t.element_size() for t in tensors)
 

@@ -211,7 +211,7 @@ if triton is not None:
 
     @triton.jit
     def _k1_claim(addrs, local, loc, claim, phys_out, status, counters, n, N, NG, RANK,
-                  shadow, cpu_owner, cpu_free, cpu_top, cursor, rowc, round_of, round_t, G,
+                  shadow, cpu_free, cpu_top, cursor, rowc, round_of, round_t, G,
                   PLACE: tl.constexpr, SHADOWS: tl.constexpr, TPP: tl.constexpr,
                   BLOCK: tl.constexpr):
         if PLACE and SHADOWS:
@@ -219,7 +219,7 @@ if triton is not None:
             # may pop (its entries beyond the free GPU slots, PB-LRU's free row count):
             # nothing else reads the stack or the shadows before K3
             if tl.program_id(0) == 0:
-                reclaim_shadows(shadow, cpu_owner, cpu_free, cpu_top, cursor, counters,
+                reclaim_shadows(shadow, cpu_free, cpu_top, cursor, counters,
                                 round_of, round_t, n - tl.load(rowc), G, 1024)
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         live = i < n
@@ -340,7 +340,7 @@ if triton is not None:
     def _k3_victims_move(local, phys_in, status, block_want, block_took, block_back, top_saved,
                          victim_out, counters,
                          bits, counts, supc, hypc, rowc, epoch_ptr,
-                         loc, gpu_owner, cpu_owner, shadow, cpu_free, cpu_top,
+                         loc, gpu_owner, shadow, cpu_free, cpu_top,
                          gpu_pool, cpu_pool, g_sl, g_sr, c_sl, c_sr,
                          n, G, C, W1, S1, H1, NS, NH, n_blocks,
                          PLACE: tl.constexpr, SHADOWS: tl.constexpr,
@@ -426,7 +426,6 @@ if triton is not None:
                 evicted = copy_out | remap
                 tl.store(loc + tl.where(evicted, owner, 0),
                          tl.where(copy_out, G + dst, G + had), mask=evicted)
-                tl.store(cpu_owner + dst, owner, mask=copy_out)
                 tl.atomic_add(counters + C_REMAPS, tl.sum(remap.to(tl.int64)), sem="relaxed")
                 tl.atomic_add(counters + C_REWRITES,
                               tl.sum((copy_out & (had == WAS_ON_CPU)).to(tl.int64)),
@@ -439,7 +438,6 @@ if triton is not None:
                     tl.atomic_add(counters + C_PLACE_OVERFLOW,
                                   tl.sum((want & ~ok).to(tl.int64)), sem="relaxed")
                 else:
-                    tl.store(cpu_owner + cslot, tl.where(keep, a, -1), mask=ok & ~swap)
                     tl.store(shadow + vs, tl.where(keep, cslot, WAS_ON_CPU).to(tl.int32),
                              mask=ok)
                     tl.store(cpu_free + top + rank, cslot, mask=moved)
@@ -500,14 +498,14 @@ if triton is not None:
             tl.store(out + i, rows.to(tl.int32), mask=live)
 
     @triton.jit
-    def _reclaim(shadow, cpu_owner, cpu_free, cpu_top, cursor, counters, round_of, round_t,
+    def _reclaim(shadow, cpu_free, cpu_top, cursor, counters, round_of, round_t,
                  need, G, BLOCK: tl.constexpr):
         """One program: :func:`reclaim_shadows` alone (a placement runs it inside K1)."""
-        reclaim_shadows(shadow, cpu_owner, cpu_free, cpu_top, cursor, counters, round_of,
+        reclaim_shadows(shadow, cpu_free, cpu_top, cursor, counters, round_of,
                         round_t, need, G, BLOCK)
 
     @triton.jit
-    def reclaim_shadows(shadow, cpu_owner, cpu_free, cpu_top, cursor, counters, round_of,
+    def reclaim_shadows(shadow, cpu_free, cpu_top, cursor, counters, round_of,
                         round_t, need, G, BLOCK: tl.constexpr):
         """Shadows back to the CPU free stack until it holds ``need`` slots: those of rows
         touched in the last ``RECENT`` rounds first, then the others, each pass scanning GPU
@@ -535,7 +533,6 @@ if triton is not None:
                 rank = taken + tl.cumsum(live.to(tl.int64), 0)  # 1-based, in pass order
                 take = live & (rank <= short)
                 tl.store(cpu_free + top + rank - 1, had, mask=take)
-                tl.store(cpu_owner + had, tl.full(had.shape, -1, tl.int64), mask=take)
                 tl.store(shadow + slot, tl.full(slot.shape, WAS_ON_CPU, tl.int32), mask=take)
                 taken += tl.sum(take.to(tl.int64))
                 if second == 1:
@@ -676,7 +673,7 @@ class FusedAccess:
         stamps = (p.round_of, p.epoch_of, p.round_t, p.epoch_t, p.entered)
         mode = dict(PLACE=place, BLOCK=self.BLOCK)
         launch(_k1_claim, grid, addrs, local, g.loc, g.claim, phys, status, g.counters, n, N,
-                n_global, rank, g.shadow, g.cpu_owner, g.cpu_free, g.cpu_top, g.reclaim_cursor,
+                n_global, rank, g.shadow, g.cpu_free, g.cpu_top, g.reclaim_cursor,
                 p.row_counts, p.round_of, p.round_t, G, SHADOWS=g.shadows and place, TPP=P,
                 **mode)  # (one access variant)
         launch(_k2_first_touch, grid, local, g.claim, phys, status, block_want, block_took,
@@ -687,7 +684,7 @@ class FusedAccess:
         gw, cw = self.gpu_words, self.cpu_words
         launch(_k3_victims_move, grid, local, phys, status, block_want, block_took, block_back,
                 self.top_saved, victim, g.counters,
-                *pol, p.epoch_t, g.loc, g.gpu_owner, g.cpu_owner, g.shadow, g.cpu_free,
+                *pol, p.epoch_t, g.loc, g.gpu_owner, g.shadow, g.cpu_free,
                 g.cpu_top, gw, cw, gw.stride(0), gw.stride(1),
                 cw.stride(0), cw.stride(1), n, G, C, self.w1, self.s1, self.h1, p.n_super,
                 p.n_hyper, grid[0], NB=self.nb, RP=self.rp, L=gw.shape[0], RW=gw.shape[2],
@@ -705,7 +702,7 @@ class FusedAccess:
         program (``ulacache.group.SelectionGroup.reclaim``; a placement does it in its K1)."""
         g = self.g
         p = g.policy
-        launch(_reclaim, (1,), g.shadow, g.cpu_owner, g.cpu_free, g.cpu_top, g.reclaim_cursor,
+        launch(_reclaim, (1,), g.shadow, g.cpu_free, g.cpu_top, g.reclaim_cursor,
                g.counters, p.round_of, p.round_t, need, g.gpu_slots, BLOCK=1024)
 
     def translate(self, addrs: torch.Tensor, out: torch.Tensor, row_base: int = 0
@@ -736,7 +733,7 @@ def equivalence_state(group, pools: bool = True) -> dict[str, torch.Tensor]:
     p, G, C = g.policy, g.gpu_slots, g.cpu_slots
     top = int(g.cpu_top)
     out = {
-        "loc": g.loc, "gpu_owner": g.gpu_owner, "cpu_owner": g.cpu_owner[:C],
+        "loc": g.loc, "gpu_owner": g.gpu_owner,
         "shadow": g.shadow[:G], "reclaim_cursor": g.reclaim_cursor,
         "cpu_top": g.cpu_top, "cpu_free": g.cpu_free[:top],
         "cpu_free_scratch": g.cpu_free[C:], "counters": g.counters, "claim": g.claim,

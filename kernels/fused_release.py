@@ -41,7 +41,7 @@ if triton is not None:
     C_SHADOWS_RELEASED = tl.constexpr(COUNTER_COLUMNS["shadows_released"])
 
     @triton.jit
-    def _r2_drop(addrs, claim, loc, gpu_owner, cpu_owner, shadow, cslot_out, block_push, cpu_top,
+    def _r2_drop(addrs, claim, loc, gpu_owner, shadow, cslot_out, block_push, cpu_top,
                  top0, counters, bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr,
                  epoch_ptr, n, N, G, C, W1, S1, H1, NB: tl.constexpr, HY: tl.constexpr,
                  BLOCK: tl.constexpr):
@@ -68,8 +68,6 @@ if triton is not None:
         push = cslot >= 0
         tl.store(shadow + tl.where(on_gpu, phys, G), tl.full(safe.shape, -1, tl.int32),
                  mask=on_gpu)
-        tl.store(cpu_owner + tl.where(push, cslot, C), tl.full(safe.shape, -1, tl.int64),
-                 mask=push)
         # PBLRU.release: a used slot's bit moves to the free row, its stamps become free
         slot = tl.where(on_gpu, phys, 0)
         old = bucket_row_of(tl.load(round_of + slot, mask=on_gpu, other=0),
@@ -136,7 +134,7 @@ class FusedRelease:
         N, G, C = g.n_logical, g.gpu_slots, g.cpu_slots
         launch = fused_access.launch  # looked up per call: fused_compile records launches
         launch(claim_in_range, grid, addrs, g.claim, n, N, BLOCK=self.BLOCK)
-        launch(_r2_drop, grid, addrs, g.claim, g.loc, g.gpu_owner, g.cpu_owner, g.shadow, cslot,
+        launch(_r2_drop, grid, addrs, g.claim, g.loc, g.gpu_owner, g.shadow, cslot,
                block_push, g.cpu_top, self._top0, g.counters, p.bits, p.counts,
                p.super_counts, p.hyper_counts, p.row_counts, p.round_of, p.epoch_of,
                p.round_t, p.epoch_t, n, N, G, C, self.w1, self.s1, self.h1,

@@ -41,7 +41,7 @@ def space_snapshot(space: AddressSpace) -> dict:
     snap = {"round_serial": space.round_serial}
     for i, g in enumerate(space.groups):
         pol = g.policy
-        for name, t in [("loc", g.loc), ("gown", g.gpu_owner), ("cown", g.cpu_owner),
+        for name, t in [("loc", g.loc), ("gown", g.gpu_owner), ("shadow", g.shadow),
                         ("gpu", g.pools.gpu), ("cpu", g.pools.cpu), ("free", g.pools.cpu_free),
                         ("top", g.pools.cpu_top), ("claim", g.claim_table), ("ctr", g.counters)]:
             snap[f"{i}.{name}"] = t.clone()

@@ -84,7 +84,7 @@ def test_dp_formula_bounds_the_allocated_tables(G, ratio, nb, L, lpg, policy, pa
     # every table the formula names was found (a walker that missed the pools' free stacks or
     # the policy would make the bound look loose, not wrong)
     names = {path.rsplit(".", 1)[-1] for path in parts}
-    assert {"loc", "gpu_owner", "cpu_owner", "cpu_free", "claim_table", "counter_table"} <= names
+    assert {"loc", "gpu_owner", "shadow", "cpu_free", "claim_table", "counter_table"} <= names
 
 
 @pytest.mark.parametrize(("P", "N", "ratio", "nb", "L", "lpg", "B"),
@@ -154,19 +154,19 @@ def test_affine_rounding_is_an_upper_bound():
 
 def test_deepseek_v32_figures():
     """The figures docs/sglang.md quotes: DeepSeek-V3.2 (61 layers, 61 selection groups),
-    cpu_ratio 4 (ratio 5), 64 buckets: 8,916 B of tables and fused-call scratch per GPU token
-    in DP mode (8,887 B of tables alone), against SGLang's 80,276 B cell (656 B latent + 132 B
-    index-K x 5, per layer); TP8 with the buffer of 64 requests (64 x 2049 rows): 2,651 B per
-    global token per rank (2,371 B of tables; the gates' scratch of every group is the rest,
+    cpu_ratio 4 (ratio 5), 64 buckets: 6,964 B of tables and fused-call scratch per GPU token
+    in DP mode (6,935 B of tables alone), against SGLang's 80,276 B cell (656 B latent + 132 B
+    index-K x 5, per layer); TP8 with the buffer of 64 requests (64 x 2049 rows): 2,407 B per
+    global token per rank (2,127 B of tables; the gates' scratch of every group is the rest,
     and 311 MB of fixed scratch for the buffer's share of a call)."""
-    assert table_bytes_per_slot(61, ratio=5, page_size=64) == (8916, 1995689)
+    assert table_bytes_per_slot(61, ratio=5, page_size=64) == (6964, 1995201)
     assert table_bytes_per_slot(61, ratio=5, page_size=64, call_scratch=False) == \
-        (8887, 1761490)
+        (6935, 1761002)
     tp8 = dict(tp_size=8, buffer_slots=64 * 2049, layers=61)
-    assert table_bytes_per_slot(61, ratio=5, page_size=64, **tp8) == (2651, 611206349)
-    assert table_bytes_per_slot(61, ratio=5, page_size=64, call_scratch=False, **tp8)[0] == 2371
-    assert table_bytes_per_slot(78, ratio=5, page_size=64)[0] == 11381  # GLM-5, 78 groups
-    assert table_bytes_per_slot(21, ratio=5, page_size=64)[0] == 3114  # GLM-5.2, 21 groups
+    assert table_bytes_per_slot(61, ratio=5, page_size=64, **tp8) == (2407, 611205861)
+    assert table_bytes_per_slot(61, ratio=5, page_size=64, call_scratch=False, **tp8)[0] == 2127
+    assert table_bytes_per_slot(78, ratio=5, page_size=64)[0] == 8885  # GLM-5, 78 groups
+    assert table_bytes_per_slot(21, ratio=5, page_size=64)[0] == 2442  # GLM-5.2, 21 groups
 
 
 def test_bad_geometry_is_refused():

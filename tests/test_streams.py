@@ -37,7 +37,7 @@ def core_storages(space: AddressSpace) -> set[int]:
     """Storage pointers of every tensor of core state (mapping, owners, pools, policy)."""
     out = set()
     for g in space.groups:
-        for t in (g.loc, g.gpu_owner, g.cpu_owner, g.claim_table, g.counters, g.pools.gpu,
+        for t in (g.loc, g.gpu_owner, g.shadow, g.claim_table, g.counters, g.pools.gpu,
                   g.pools.cpu, g.pools.cpu_free, g.pools.cpu_top, *vars(g.policy).values()):
             if isinstance(t, torch.Tensor) and t.numel():
                 out.add(t.untyped_storage().data_ptr())

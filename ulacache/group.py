@@ -7,7 +7,10 @@ The mapping table is the single source of truth. One ``int64`` per logical addre
     loc[t] in [gpu_slots, G + C)     CPU slot loc[t] - gpu_slots
     loc[n_logical]                   scratch entry for masked writes (always -1)
 
-Reverse maps ``gpu_owner[G + 1]`` and ``cpu_owner[C + 1]`` give each slot's address or -1.
+The reverse map ``gpu_owner[G + 1]`` gives each GPU slot's address or -1 (a victim's owner is
+read on every eviction). A CPU slot has no reverse map on the device: nothing on the decode
+path reads one, so :meth:`SelectionGroup.check_integrity` derives it from the mapping and the
+shadows (8 B per CPU slot per group saved: the CPU tier is ``cpu_ratio`` times the GPU pool).
 
 Every data movement follows the same order (design invariant 3): copy the bytes, then update
 the mapping. All of it is issued on one stream (:mod:`ulacache.streams`), so a later reuse of
@@ -298,8 +301,6 @@ class SelectionGroup:
         table = (n_logical + 1,)
         self.loc = allocate(table, torch.int64, self.device, "the mapping table", fill=-1)
         self.gpu_owner = torch.full((gpu_slots + 1,), -1, dtype=torch.int64, device=self.device)
-        self.cpu_owner = allocate((cpu_slots + 1,), torch.int64, self.device, "the CPU owners",
-                                  fill=-1)
         # per GPU slot: the CPU slot of its row's shadow, or BORN / WAS_ON_CPU (int32: 4 B)
         self.shadows = bool(shadows)
         self.shadow = torch.full((gpu_slots + 1,), BORN, dtype=torch.int32, device=self.device)
@@ -324,7 +325,7 @@ class SelectionGroup:
         # the fused engine's view of this group: plain tensors, never rebound
         self.tables = GroupTables(
             loc=self.loc, claim=self.claim_table, gpu_owner=self.gpu_owner,
-            cpu_owner=self.cpu_owner, shadow=self.shadow, shadows=self.shadows,
+            shadow=self.shadow, shadows=self.shadows,
             reclaim_cursor=self.reclaim_cursor,
             counters=self.counters, gpu=self.pools.gpu,
             cpu=self.pools.cpu, cpu_free=self.pools.cpu_free, cpu_top=self.pools.cpu_top,
@@ -425,7 +426,7 @@ class SelectionGroup:
         flat, fresh, bad = self._place_plan(addrs)
         if self._checking():
             self._validate_place(flat, fresh, bad)
-        G, C = self.gpu_slots, self.cpu_slots
+        G = self.gpu_slots
         if self.shadows:  # victims beyond the free GPU slots may pop: that much stack first
             self._reclaim_torch(flat.numel() - (G - self.policy.used_count()))
         rank = torch.cumsum(fresh, 0) - 1
@@ -446,7 +447,6 @@ class SelectionGroup:
         evicted = spill | remap
         self.loc.index_put_((torch.where(evicted, owner, self.n_logical),),
                             torch.where(spill, G + cslot, torch.where(remap, G + had, -1)))
-        self.cpu_owner.index_put_((torch.where(spill, cslot, C),), torch.where(spill, owner, -1))
         self._settle_stack(took, took & remap, popped)
         slot = torch.where(ok, slot, -1)
         self.gpu_owner.index_put_((torch.where(ok, slot, G),), torch.where(ok, flat, -1))
@@ -513,8 +513,6 @@ class SelectionGroup:
         live = had >= 0
         short = (need - self.pools.cpu_top).clamp(min=0)
         take = live & (torch.cumsum(live, 0) <= short)
-        self.cpu_owner.index_put_((torch.where(take, had, self.cpu_slots),),
-                                  torch.full_like(had, -1))
         self.shadow.index_put_((torch.where(take, order, G),),
                                torch.full_like(order, WAS_ON_CPU, dtype=torch.int32))
         self.pools.push_cpu(torch.where(take, had, -1))
@@ -712,10 +710,6 @@ class SelectionGroup:
         self.loc.index_put_((torch.where(owned, owner, self.n_logical),),
                             torch.where(copy_out, G + dst, torch.where(remap, G + had, -1)))
         self.gpu_owner.index_put_((vs,), torch.where(ok, flat, -1))
-        self.cpu_owner.index_put_((torch.where(ok, cslot, self.cpu_slots),),
-                                  torch.where(swap, owner, torch.where(keep, flat, -1)))
-        self.cpu_owner.index_put_((torch.where(into_free, popped, self.cpu_slots),),
-                                  torch.where(into_free, owner, -1))
         self.shadow.index_put_((vs,), torch.where(keep, cslot, WAS_ON_CPU).to(torch.int32))
         if self.shadows:
             self._settle_stack(took, took & remap, popped)
@@ -833,8 +827,6 @@ class SelectionGroup:
         self.gpu_owner.index_put_((torch.where(on_gpu, gslot, G),), torch.full_like(gslot, -1))
         self.shadow.index_put_((torch.where(on_gpu, gslot, G),),
                                torch.full_like(gslot, BORN, dtype=torch.int32))
-        self.cpu_owner.index_put_((torch.where(cslot >= 0, cslot, self.cpu_slots),),
-                                  torch.full_like(cslot, -1))
         self.policy.release(gslot)
         self.pools.push_cpu(cslot)
         self._count(released_gpu=on_gpu.sum(), released_cpu=on_cpu.sum(), invalid=bad.sum(),
@@ -894,8 +886,7 @@ class SelectionGroup:
         exp_c[c_slot] = c_addr
         exp_c[s_slot] = s_addr
         assert torch.equal(exp_g, self.gpu_owner[:G]), "gpu_owner disagrees with mapping"
-        assert torch.equal(exp_c, self.cpu_owner[:C]), "cpu_owner disagrees with mapping"
-        assert int(self.gpu_owner[G]) == -1 and int(self.cpu_owner[C]) == -1, "scratch owner"
+        assert int(self.gpu_owner[G]) == -1, "scratch owner"
         # free structures and owned slots are disjoint and cover each pool
         assert torch.equal(self.policy.used_mask(), exp_g >= 0), "policy free set != unowned"
         assert int(self.policy.used_count()) == int((exp_g >= 0).sum()), "policy used count"

@@ -29,8 +29,8 @@ class GroupTables:
         ``-1`` unmapped.
     claim : ``int64 [N + 1]``: per-call dedup scratch (first position naming an address),
         reset to its sentinel after every call; may be shared by the groups of a space.
-    gpu_owner, cpu_owner : ``int64 [G + 1]``, ``[C + 1]``: slot -> address, ``-1`` free (a
-        shadow's CPU slot names the GPU-resident address it copies).
+    gpu_owner : ``int64 [G + 1]``: GPU slot -> address, ``-1`` free. (CPU slots have no
+        reverse map: ``check_integrity`` derives it from ``loc`` and ``shadow``.)
     shadow : ``int32 [G + 1]``: GPU slot -> CPU slot of its row's shadow, ``-1`` none (row
         born on the GPU, or slot free), ``-2`` none (row has been in the CPU tier).
     shadows : whether promotions keep shadows (``ulacache.group.SelectionGroup``).
@@ -44,7 +44,6 @@ class GroupTables:
     loc: torch.Tensor
     claim: torch.Tensor
     gpu_owner: torch.Tensor
-    cpu_owner: torch.Tensor
     shadow: torch.Tensor
     shadows: bool
     reclaim_cursor: torch.Tensor
