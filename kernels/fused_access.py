@@ -380,7 +380,8 @@ if triton is not None:
                     # rank order); a remapped one hands it back in K4
                     pos = top - 1 - (rank - n_free)
                     took = occupied & (pos >= 0)
-                    popped = tl.load(cpu_free + tl.where(took, pos, 0), mask=took, other=C)
+                    popped = tl.load(cpu_free + tl.where(took, pos, 0), mask=took,
+                                     other=C).to(tl.int64)  # int32 stack
                     back = took & remap
                     # this block's stack positions taken and handed back (zeroed by K2;
                     # atomics rather than loop-carried sums keep K3 in registers)

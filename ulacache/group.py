@@ -467,7 +467,7 @@ class SelectionGroup:
         the reference does the same so that both leave the same stack."""
         pos = self.pools.cpu_top - torch.cumsum(occupied, 0)
         took = occupied & (pos >= 0)
-        return took, torch.where(took, self.pools.cpu_free[pos.clamp(min=0)], -1)
+        return took, torch.where(took, self.pools.cpu_free[pos.clamp(min=0)].to(torch.int64), -1)
 
     def _settle_stack(self, took: torch.Tensor, back: torch.Tensor, popped: torch.Tensor
                       ) -> None:
@@ -477,7 +477,7 @@ class SelectionGroup:
         C = self.cpu_slots
         taken = took.sum()
         dest = torch.where(back, self.pools.cpu_top - taken + torch.cumsum(back, 0) - 1, C)
-        self.pools.cpu_free.index_put_((dest,), torch.where(back, popped, C))
+        self.pools.cpu_free.index_put_((dest,), torch.where(back, popped, C).to(torch.int32))
         self.pools.cpu_top.sub_(taken - back.sum())
 
     def reclaim(self, need: int) -> None:

@@ -90,8 +90,9 @@ class TierPools:
     ----------
     gpu : ``uint8 [L, gpu_slots + 1, row_bytes]`` on ``device``.
     cpu : ``uint8 [L, cpu_slots + 1, row_bytes]`` in host memory.
-    cpu_free : ``int64 [cpu_slots + 1]`` on ``device``; ``cpu_free[:cpu_top]`` are the free CPU
-        slots (entry ``cpu_slots`` is scratch for masked pushes).
+    cpu_free : ``int32 [cpu_slots + 1]`` on ``device`` (4 B per CPU slot);
+        ``cpu_free[:cpu_top]`` are the free CPU slots (entry ``cpu_slots`` is scratch for
+        masked pushes).
     cpu_top : 0-dim ``int64`` on ``device``.
 
     ``L`` may be 0: a residency-only group (simulations of the policy) moves no bytes.
@@ -102,6 +103,8 @@ class TierPools:
         self.device = resolve_device(device)
         self.n_layers, self.row_bytes = n_layers, row_bytes
         self.gpu_slots, self.cpu_slots = gpu_slots, cpu_slots
+        if cpu_slots >= 2**31 - 1:  # the free stack holds int32 slot numbers
+            raise ShapeError(f"cpu_slots {cpu_slots} per group must be < 2**31 - 1")
         shape = (n_layers, gpu_slots + 1, row_bytes)
         if gpu_storage is not None:
             # An engine-owned buffer (SGLang's kv_buffer rows): rows must be contiguous bytes.
@@ -119,7 +122,7 @@ class TierPools:
                             "the CPU pool", pinned=self.device.type == "cuda",
                             fill=None if self.device.type == "cuda" else 0)
         # Pops take from the top; reversed so that a fresh pool hands out slots 0, 1, 2, ...
-        self.cpu_free = allocate((cpu_slots + 1,), torch.int64, self.device, "the CPU free stack")
+        self.cpu_free = allocate((cpu_slots + 1,), torch.int32, self.device, "the CPU free stack")
         self.cpu_free[:cpu_slots] = torch.arange(cpu_slots - 1, -1, -1, device=self.device)
         self.cpu_free[cpu_slots] = cpu_slots
         self.cpu_top = torch.tensor(cpu_slots, dtype=torch.int64, device=self.device)
@@ -131,9 +134,9 @@ class TierPools:
         put = slots >= 0
         rank = torch.cumsum(put, 0) - 1
         pos = torch.where(put, self.cpu_top + rank, self.cpu_slots)
-        self.cpu_free.index_put_((pos,), torch.where(put, slots, self.cpu_slots))
+        self.cpu_free.index_put_((pos,), torch.where(put, slots, self.cpu_slots).to(torch.int32))
         self.cpu_top.add_(put.sum())
 
     def cpu_free_set(self) -> torch.Tensor:
         """The free CPU slots (host-side, for integrity checks)."""
-        return self.cpu_free[: int(self.cpu_top)]
+        return self.cpu_free[: int(self.cpu_top)].to(torch.int64)

@@ -25,7 +25,7 @@ class GroupTables:
 
     Attributes
     ----------
-    loc : ``int64 [N + 1]``: address -> slot (``[0, G)`` GPU, ``G + 1 + c`` CPU slot ``c``),
+    loc : ``int64 [N + 1]``: address -> slot (``[0, G)`` GPU, ``G + c`` CPU slot ``c``),
         ``-1`` unmapped.
     claim : ``int64 [N + 1]``: per-call dedup scratch (first position naming an address),
         reset to its sentinel after every call; may be shared by the groups of a space.
@@ -37,7 +37,7 @@ class GroupTables:
     reclaim_cursor : ``int64 []``: the GPU slot the next reclaim of shadows scans from.
     counters : ``int64 [len(COUNTERS)]``: the group's counters (``ulacache.group.COUNTERS``).
     gpu, cpu : ``uint8 [L, G + 1, row_bytes]``, ``[L, C + 1, row_bytes]``: the tiers' rows.
-    cpu_free : ``int64 [C + 1]``: the CPU free stack; ``cpu_top``: ``int64 []``, its height.
+    cpu_free : ``int32 [C + 1]``: the CPU free stack; ``cpu_top``: ``int64 []``, its height.
     policy : the GPU tier's replacement policy (PB-LRU for the fused path).
     """
 
