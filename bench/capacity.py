@@ -31,7 +31,7 @@ def print_table(res: dict) -> None:
     hdr = (f"{'system':<25}{'ratio':>6}{'unique M':>10}{'GPU slots M':>12}{'CPU slots M':>12}"
            f"{'unique%':>8}{'tok/GB GPU':>11}{'tok/GB host':>12}"
            + "".join(f"{'req@' + str(S // 1024) + 'K':>9}" for S in a["lengths"])
-           + f"{'unchg GB':>10}")
+           + f"{'unchg GB':>10}{'tables%':>8}")
     key = None
     for r in res["rows"]:
         if (r["platform"], r["model"], r["layout"]) != key:
@@ -52,14 +52,17 @@ def print_table(res: dict) -> None:
               + (f"{r['tokens_per_host_gb']:>12.0f}" if r["tokens_per_host_gb"] else f"{'-':>12}")
               + "".join(f"{r['max_requests'][str(S)]:>9}" for S in a["lengths"])
               + (f"{r['uncharged_gpu_bytes']['total'] / GB:>10.2f}" if r["uncharged_gpu_bytes"]
-                 else f"{'-':>10}"))
+                 else f"{'-':>10}")
+              + f"{100 * r['tables_fraction_of_cell']:>7.1f}%")
     print("\nulacache columns charge ulacache's tables and coordinator output rows as SGLang's "
           "sizing hook does (ulacache.sizing.table_bytes_per_slot, one selection group per "
           "layer; coordinator_output_bytes for --running "
           f"{a['running_requests']} + 1 request slots per worker in the capacity columns, the "
           "admitted count + 1 in the req@ columns). unchg GB: device GB per GPU SGLang does "
           "not charge (mapping, page lists; HiSparse's per-request-slot tables at SGLang's "
-          "default request slots); see uncharged() and the JSON.")
+          "default request slots); see uncharged() and the JSON. tables%: ulacache's tables (and "
+          "fused call scratch) in the bytes SGLang charges per GPU token; the JSON splits each "
+          "row's GPU bytes per unique token into latent, index_k, tables and fixed.")
     pc = res["paper_checks"]
     tp, hs = pc["tp8_unique_fraction"], pc["hisparse_fig2b"]
     print("\nPaper checks (UlaCache §2.2.1, Figure 2; 8xB300, GLM-5 geometry, FP8 KV):")

@@ -262,7 +262,9 @@ def test_json_contract():
     keys = {"platform", "model", "layout", "system", "ratio", "unique_tokens",
             "gpu_latent_slots", "cpu_latent_slots", "unique_fraction", "gpu_kv_bytes",
             "host_kv_bytes", "tokens_per_gpu_gb", "tokens_per_host_gb", "max_requests",
-            "ratio_at", "uncharged_gpu_bytes"}
+            "ratio_at", "uncharged_gpu_bytes", "gpu_bytes_by_component",
+            "gpu_bytes_per_unique_token", "cell_bytes", "table_bytes_per_gpu_token",
+            "tables_fraction_of_cell"}
     for r in res["rows"]:
         assert set(r) == keys
         assert set(r["max_requests"]) == set(r["ratio_at"]) == {str(n) for n in S}
@@ -434,3 +436,29 @@ def test_ulacache_columns_equal_the_hooked_sglang_sizing():
             assert tp["sized"] == {"buffer_slots": B, "tp_size": 8}
             assert (tp["cell"], tp["fixed"]) == cap.ulacache_tp_charge(inp, c, B)
             assert tp["tokens"] == cap.ulacache_tp_pool(inp, c, B, False)
+
+
+def test_gpu_bytes_split_by_component():
+    """Every row's GPU bytes split into latent, index-K, tables and fixed parts that sum to
+    what SGLang's sizing charges; the tables' share of the cell is the sizing hook's figure."""
+    res = cap.run(platforms="h200", models="glm5", layouts="fp8", lengths=(131072,))
+    rows = {r["system"]: r for r in res["rows"]}
+    for r in rows.values():
+        parts = r["gpu_bytes_by_component"]
+        assert set(parts) == {"latent", "index_k", "tables", "fixed"}
+        assert sum(parts.values()) == r["gpu_kv_bytes"]
+        per = r["gpu_bytes_per_unique_token"]
+        assert abs(sum(per.values()) * r["unique_tokens"] - r["gpu_kv_bytes"]) < 1e-3 * \
+            r["gpu_kv_bytes"]
+    for name in ("sglang_dp", "hisparse_dp", "hisparse_tp"):
+        assert rows[name]["gpu_bytes_by_component"]["tables"] == 0
+        assert rows[name]["tables_fraction_of_cell"] == 0.0
+    dp = rows["ulacache_dp"]
+    inp = inputs()
+    per = cap._tables(inp.groups, 1 + dp["ratio"])[0]
+    cell = cap.ulacache_dp_charge(inp, dp["ratio"])[0]
+    assert dp["table_bytes_per_gpu_token"] == per and dp["cell_bytes"] == cell
+    assert dp["tables_fraction_of_cell"] == per / cell
+    # index-K for every logical token: (1 + cpu_ratio) rows per GPU slot
+    assert dp["gpu_bytes_by_component"]["index_k"] == \
+        dp["gpu_latent_slots"] * inp.idx * (1 + dp["ratio"])

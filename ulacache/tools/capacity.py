@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache, cached_property
 
 from ulacache.config import SGLangOptions
@@ -277,6 +277,19 @@ class Point:
     #                 coordinator output rows)
     host_bytes: int
     pool: int = 0  # SGLang's max_total_num_tokens per rank (G; ulacache TP: N)
+    # gpu_bytes by component, system-wide: latent, index_k, tables (ulacache's per-slot tables
+    # and call scratch), fixed (the tables' fixed part, tail page, TP buffer rows, coordinator
+    # output rows); they sum to gpu_bytes
+    components: dict = field(default_factory=dict)
+    cell: int = 0  # bytes per GPU token SGLang's configurator charges (0: resident)
+    table_cell: int = 0  # of which ulacache's tables
+
+
+def _split(P: int, tokens: int, latent: int, index: int, tables: int, fixed: int) -> dict:
+    """System-wide GPU bytes by component for ``tokens`` GPU tokens per rank at these bytes
+    per token (``fixed`` per rank)."""
+    return {"latent": P * tokens * latent, "index_k": P * tokens * index,
+            "tables": P * tokens * tables, "fixed": P * fixed}
 
 
 def _ratios(first: int, pool, min_pool: int):
@@ -327,21 +340,25 @@ def capacity(inp: Inputs, system: str) -> Point:
     if system in ("sglang_dp", "sglang_tp"):
         n = resident_pool(inp)
         unique = P * n if system == "sglang_dp" else n  # TP: every rank holds the same tokens
-        return Point(None, unique, P * n, 0, P * n * (inp.lat + inp.idx), 0, n)
+        return Point(None, unique, P * n, 0, P * n * (inp.lat + inp.idx), 0, n,
+                     _split(P, n, inp.lat, inp.idx, 0, 0), inp.lat + inp.idx)
     if system in ("hisparse_dp", "hisparse_tp"):
         x = _pick(1, lambda r: r * hisparse_pool(inp, r),
                   lambda r: hisparse_pool(inp, r), inp.min_gpu_tokens)
         g = hisparse_pool(inp, x)
         unique = (P if system == "hisparse_dp" else 1) * x * g
         return Point(x, unique, P * g, P * x * g, P * g * (inp.lat + inp.idx * x),
-                     P * x * g * inp.lat, g)
+                     P * x * g * inp.lat, g, _split(P, g, inp.lat, inp.idx * x, 0, 0),
+                     inp.lat + inp.idx * x)
     if system == "ulacache_dp":
         c = _pick(0, lambda r: (1 + r) * ulacache_dp_pool(inp, r),
                   lambda r: ulacache_dp_pool(inp, r), inp.min_gpu_tokens)
         g = ulacache_dp_pool(inp, c)
         cell, fixed = ulacache_dp_charge(inp, c)
+        per = _tables(inp.groups, 1 + c)[0]
         return Point(c, P * (1 + c) * g, P * g, P * c * g, P * (g * cell + fixed),
-                     P * c * g * inp.lat, g)
+                     P * c * g * inp.lat, g,
+                     _split(P, g, inp.lat, inp.idx * (1 + c), per, fixed), cell, per)
     if system in ("ulacache_tp_repl", "ulacache_tp_shard"):
         shard = system == "ulacache_tp_shard"
         b = tp_buffer_rows(inp, inp.running)
@@ -349,8 +366,10 @@ def capacity(inp: Inputs, system: str) -> Point:
                   lambda r: ulacache_tp_pool(inp, r, b, shard), inp.min_gpu_tokens)
         n = ulacache_tp_pool(inp, c, b, shard)
         cell, fixed = ulacache_tp_charge(inp, c, b, shard)
+        per = _tables(inp.groups, 1 + c, P, b, inp.layers)[0]
+        lat = math.ceil(inp.lat / P)
         return Point(c, (1 + c) * n, n + P * b, c * n, P * (n * cell + fixed), c * n * inp.lat,
-                     n)
+                     n, _split(P, n, lat, cell - lat - per, per, fixed), cell, per)
     raise ValueError(f"unknown system {system!r}")
 
 
@@ -532,6 +551,14 @@ def run(*, platforms: str = "h200,b300", models: str = "glm5,dsv32",
                         # per GPU, at the capacity ratio (HiSparse: SGLang's default request
                         # slots)
                         "uncharged_gpu_bytes": uncharged(inp, system, cap.ratio, cap.pool),
+                        # what each unique token costs on the GPU, by component, and the
+                        # tables' share of the per-GPU-token cell
+                        "gpu_bytes_by_component": cap.components,
+                        "gpu_bytes_per_unique_token": {
+                            k: v / cap.unique for k, v in cap.components.items()},
+                        "cell_bytes": cap.cell, "table_bytes_per_gpu_token": cap.table_cell,
+                        "tables_fraction_of_cell": (cap.table_cell / cap.cell if cap.cell
+                                                    else 0.0),
                     })
     assumptions = {
         "accounting": "arithmetic on the stated inputs, not measurement",
