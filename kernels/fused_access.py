@@ -618,6 +618,14 @@ class FusedAccess:
     # also runs the compiled value through the interpreter).
     SUB = 64 if INTERPRETED else 16
     CHUNK = 64  # words of a row copied per inner step
+    # K3's register ceiling, given explicitly: without one, ptxas picks its own and under
+    # Triton 3.6 (ptxas 12.8, sm_90) chose 128 for the placement variant and spilled 8 B. Its
+    # allocation is not monotone in the ceiling: 168 spills under Triton 3.8, 200 and 224
+    # under 3.6; 232, 240 and 255 spill nowhere in either (docs/fused-access.md). 255, the
+    # hardware's limit, only switches the occupancy heuristic off; K3's time is its serial
+    # victim search and row copies. ``python -m ulacache.kernels.fused_compile`` checks every
+    # variant; interpreted launches drop the option.
+    K3_MAXNREG = 255
 
     def __init__(self, tables, scratch: Scratch | None = None) -> None:
         if triton is None:
@@ -690,7 +698,8 @@ class FusedAccess:
                 cw.stride(0), cw.stride(1), n, G, C, self.w1, self.s1, self.h1, p.n_super,
                 p.n_hyper, grid[0], NB=self.nb, RP=self.rp, L=gw.shape[0], RW=gw.shape[2],
                 HP=self.hp, HY=p.hyper, HYP2=pow2(p.hyper), BP=pow2(grid[0]),
-                CHUNK=self.CHUNK, SUB=self.SUB, SHADOWS=g.shadows, **mode)
+                CHUNK=self.CHUNK, SUB=self.SUB, SHADOWS=g.shadows, maxnreg=self.K3_MAXNREG,
+                **mode)
         launch(_k4_assign_translate, grid, local, status, victim,
                 out if out is not None else status, g.loc, g.cpu_top, g.cpu_free, phys,
                 block_took, block_back, self.top_saved, *pol, *stamps,

@@ -125,6 +125,10 @@ def resources(cubin: bytes) -> dict[str, int]:
     return {k: int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", text)}
 
 
+COMPILE_OPTIONS = ("maxnreg", "num_warps", "num_stages")
+"""Launch keywords that are compile options, not kernel parameters."""
+
+
 class SpillError(RuntimeError):
     """A kernel needs stack (register spills to local memory) on a target."""
 
@@ -148,9 +152,11 @@ def compile_all(archs: list[int], geometries: list[dict] | None = None) -> list[
         for arch in archs:
             t0 = time.time()
             src = ASTSource(fn=kernel, signature=sig, constexprs=consts)
-            out = triton.compile(src, target=GPUTarget("cuda", arch, 32))
+            # compile options a launch passes (maxnreg), as the JIT would take them
+            options = {k: meta[k] for k in COMPILE_OPTIONS if k in meta}
+            out = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
             use = resources(out.asm["cubin"])
-            line = (f"sm_{arch} {kernel.__name__:<22} {dict(consts)} cubin "
+            line = (f"sm_{arch} {kernel.__name__:<22} {dict(consts)} {options or ''}cubin "
                     f"{len(out.asm['cubin'])} B, {time.time() - t0:.1f} s, "
                     + (", ".join(f"{k} {v}" for k, v in use.items()) or "no cuobjdump"))
             if use.get("STACK") or use.get("LOCAL"):
