@@ -157,7 +157,7 @@ class HitRateSelections:
         n = self.bs * self.k
         loc = g.loc[: g.n_logical]  # CPU-resident: a primary in the CPU tier
         on_cpu = torch.where(loc >= g.gpu_slots, torch.arange(g.n_logical, device=self.dev), -1)
-        sel = torch.cat([self._pick(g.gpu_owner[: g.gpu_slots], self.n_hit),
+        sel = torch.cat([self._pick(g.gpu_owner[: g.gpu_slots].long(), self.n_hit),
                          self._pick(on_cpu, n - self.n_hit)])
         return sel[torch.randperm(n, generator=self.gen, device=self.dev)].view(self.bs, self.k)
 

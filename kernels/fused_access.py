@@ -236,7 +236,7 @@ if triton is not None:
             peers = i < 0  # none (a false tensor of the right shape)
         inrange = live & (a >= 0) & (a < N)
         safe = tl.where(inrange, a, N)
-        phys = tl.load(loc + safe, mask=live, other=-1)
+        phys = tl.load(loc + safe, mask=live, other=-1).to(tl.int64)  # int32 mapping
         if PLACE:
             keep = inrange & (phys < 0)
             st = keep.to(tl.int32)
@@ -369,7 +369,7 @@ if triton is not None:
                                   S1, H1, NS, NH, NB, RP, HP, HY, HYP2, SUB)
                 ok = victim >= 0
                 vs = tl.where(ok, victim, G)
-                owner = tl.load(gpu_owner + vs, mask=ok, other=-1)
+                owner = tl.load(gpu_owner + vs, mask=ok, other=-1).to(tl.int64)  # int32
                 occupied = ok & (owner >= 0)
                 had = tl.load(shadow + vs, mask=occupied, other=-1).to(tl.int64)
                 remap = occupied & (had >= 0)  # evicted onto its shadow: nothing copied out
@@ -426,7 +426,7 @@ if triton is not None:
                 # -- then the mapping
                 evicted = copy_out | remap
                 tl.store(loc + tl.where(evicted, owner, 0),
-                         tl.where(copy_out, G + dst, G + had), mask=evicted)
+                         tl.where(copy_out, G + dst, G + had).to(tl.int32), mask=evicted)
                 tl.atomic_add(counters + C_REMAPS, tl.sum(remap.to(tl.int64)), sem="relaxed")
                 tl.atomic_add(counters + C_REWRITES,
                               tl.sum((copy_out & (had == WAS_ON_CPU)).to(tl.int64)),
@@ -450,8 +450,8 @@ if triton is not None:
                                   sem="relaxed")
                     tl.atomic_add(counters + C_ACCESS_OVERFLOW,
                                   tl.sum((want & ~ok).to(tl.int64)), sem="relaxed")
-                tl.store(loc + tl.where(ok, a, 0), victim, mask=ok)
-                tl.store(gpu_owner + vs, a, mask=ok)
+                tl.store(loc + tl.where(ok, a, 0), victim.to(tl.int32), mask=ok)
+                tl.store(gpu_owner + vs, a.to(tl.int32), mask=ok)
                 tl.store(victim_out + i, victim, mask=want)
                 if PLACE or SHADOWS:
                     # K4 hands these slots back (phys_in was read above: cslot)
@@ -493,7 +493,7 @@ if triton is not None:
         if not PLACE:
             keep = (st & KEEP) != 0
             a = tl.load(local + i, mask=keep, other=N)
-            rows = tl.load(loc + tl.where(keep, a, N), mask=keep, other=-1)
+            rows = tl.load(loc + tl.where(keep, a, N), mask=keep, other=-1).to(tl.int64)
             rows = tl.where(keep & (rows >= 0) & (rows < G), rows + row_base, -1)
             rows = tl.where((st & INVALID) != 0, INVALID_ROW, rows)  # TP stripes only
             tl.store(out + i, rows.to(tl.int32), mask=live)
@@ -550,7 +550,7 @@ if triton is not None:
         live = i < n
         a = tl.load(addrs + i, mask=live, other=-1).to(tl.int64)
         ok = live & (a >= 0) & (a < N)
-        rows = tl.load(loc + tl.where(ok, a, N), mask=ok, other=-1)
+        rows = tl.load(loc + tl.where(ok, a, N), mask=ok, other=-1).to(tl.int64)
         rows = tl.where(ok & (rows >= 0) & (rows < G), rows + row_base, -1)
         tl.store(out + i, rows.to(tl.int32), mask=live)
 

@@ -54,12 +54,12 @@ if triton is not None:
         first = inrange & (tl.load(claim + safe, mask=inrange, other=-1) == i)
         tl.store(claim + safe, tl.full(safe.shape, NO_CLAIM, tl.int64), mask=first)
         bad = (live & (a != -1) & ~inrange) | (inrange & ~first)
-        phys = tl.load(loc + safe, mask=first, other=-1)
+        phys = tl.load(loc + safe, mask=first, other=-1).to(tl.int64)  # int32 mapping
         drop = first & (phys >= 0)
         on_gpu = drop & (phys < G)
         on_cpu = drop & (phys >= G)
-        tl.store(loc + safe, tl.full(safe.shape, -1, tl.int64), mask=drop)
-        tl.store(gpu_owner + tl.where(on_gpu, phys, G), tl.full(safe.shape, -1, tl.int64),
+        tl.store(loc + safe, tl.full(safe.shape, -1, tl.int32), mask=drop)
+        tl.store(gpu_owner + tl.where(on_gpu, phys, G), tl.full(safe.shape, -1, tl.int32),
                  mask=on_gpu)
         # a GPU row's shadow is freed with it
         had = tl.load(shadow + tl.where(on_gpu, phys, G), mask=on_gpu, other=-1).to(tl.int64)

@@ -37,11 +37,11 @@ TESTS = ["tests/test_core.py", "tests/test_stateful.py", "tests/test_pblru.py",
          "tests/test_boundary.py"]
 G, P, L = "ulacache/group.py", "ulacache/pblru.py", "ulacache/pools.py"
 MUTANTS = [  # (file, original, mutant, what it models)
-    (G, "self.loc.index_put_((torch.where(ok, flat, self.n_logical),), victim)",
-     "self.loc.index_put_((torch.where(ok, flat, self.n_logical - 1),), victim)",
+    (G, "self.loc.index_put_((torch.where(ok, flat, self.n_logical),), victim.to(MAP_DTYPE))",
+     "self.loc.index_put_((torch.where(ok, flat, self.n_logical - 1),), victim.to(MAP_DTYPE))",
      "access: masked writes land on the last address"),
-    (G, "self.loc.index_put_((torch.where(ok, flat, self.n_logical),), slot)",
-     "self.loc.index_put_((torch.where(ok, flat, self.n_logical - 1),), slot)",
+    (G, "self.loc.index_put_((torch.where(ok, flat, self.n_logical),), slot.to(MAP_DTYPE))",
+     "self.loc.index_put_((torch.where(ok, flat, self.n_logical - 1),), slot.to(MAP_DTYPE))",
      "place: masked writes land on the last address"),
     (G, "inrange = (flat >= 0) & (flat < self.n_logical)",
      "inrange = (flat >= 0) & (flat <= self.n_logical)", "the scratch entry counted in range"),
@@ -179,7 +179,7 @@ FUSED_ROUND_MUTANTS = [  # the fused round start and release, vs the torch polic
      "fused release: block prefix counts its own block"),
     (FR, "            tl.store(top0, tl.load(cpu_top))\n", "            pass\n",
      "fused release: no stack pointer snapshot"),
-    (FR, "        tl.store(loc + safe, tl.full(safe.shape, -1, tl.int64), mask=drop)\n", "",
+    (FR, "        tl.store(loc + safe, tl.full(safe.shape, -1, tl.int32), mask=drop)\n", "",
      "fused release: released rows stay mapped"),
 ]
 H = "ulacache/space.py"

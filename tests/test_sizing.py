@@ -154,19 +154,19 @@ def test_affine_rounding_is_an_upper_bound():
 
 def test_deepseek_v32_figures():
     """The figures docs/sglang.md quotes: DeepSeek-V3.2 (61 layers, 61 selection groups),
-    cpu_ratio 4 (ratio 5), 64 buckets: 5,988 B of tables and fused-call scratch per GPU token
-    in DP mode (5,959 B of tables alone), against SGLang's 80,276 B cell (656 B latent + 132 B
-    index-K x 5, per layer); TP8 with the buffer of 64 requests (64 x 2049 rows): 2,285 B per
-    global token per rank (2,005 B of tables; the gates' scratch of every group is the rest,
+    cpu_ratio 4 (ratio 5), 64 buckets: 4,524 B of tables and fused-call scratch per GPU token
+    in DP mode (4,495 B of tables alone), against SGLang's 80,276 B cell (656 B latent + 132 B
+    index-K x 5, per layer); TP8 with the buffer of 64 requests (64 x 2049 rows): 2,102 B per
+    global token per rank (1,822 B of tables; the gates' scratch of every group is the rest,
     and 311 MB of fixed scratch for the buffer's share of a call)."""
-    assert table_bytes_per_slot(61, ratio=5, page_size=64) == (5988, 1994957)
+    assert table_bytes_per_slot(61, ratio=5, page_size=64) == (4524, 1978853)
     assert table_bytes_per_slot(61, ratio=5, page_size=64, call_scratch=False) == \
-        (5959, 1760758)
+        (4495, 1744654)
     tp8 = dict(tp_size=8, buffer_slots=64 * 2049, layers=61)
-    assert table_bytes_per_slot(61, ratio=5, page_size=64, **tp8) == (2285, 611205617)
-    assert table_bytes_per_slot(61, ratio=5, page_size=64, call_scratch=False, **tp8)[0] == 2005
-    assert table_bytes_per_slot(78, ratio=5, page_size=64)[0] == 7637  # GLM-5, 78 groups
-    assert table_bytes_per_slot(21, ratio=5, page_size=64)[0] == 2106  # GLM-5.2, 21 groups
+    assert table_bytes_per_slot(61, ratio=5, page_size=64, **tp8) == (2102, 611202963)
+    assert table_bytes_per_slot(61, ratio=5, page_size=64, call_scratch=False, **tp8)[0] == 1822
+    assert table_bytes_per_slot(78, ratio=5, page_size=64)[0] == 5765  # GLM-5, 78 groups
+    assert table_bytes_per_slot(21, ratio=5, page_size=64)[0] == 1602  # GLM-5.2, 21 groups
 
 
 def test_bad_geometry_is_refused():

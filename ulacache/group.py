@@ -1,13 +1,15 @@
 """Residency of one selection group: mapping table, reverse maps, pools and the policy.
 
-The mapping table is the single source of truth. One ``int64`` per logical address::
+The mapping table is the single source of truth. One ``int32`` per logical address (4 B per
+address per group: the table spans every token of every request; addresses and slots are
+refused at 2**31 - 1)::
 
     loc[t] == -1                     unmapped (allocated but not placed yet, or never)
     loc[t] in [0, gpu_slots)         GPU slot loc[t]
     loc[t] in [gpu_slots, G + C)     CPU slot loc[t] - gpu_slots
     loc[n_logical]                   scratch entry for masked writes (always -1)
 
-The reverse map ``gpu_owner[G + 1]`` gives each GPU slot's address or -1 (a victim's owner is
+The reverse map ``gpu_owner int32 [G + 1]`` gives each GPU slot's address or -1 (a victim's owner is
 read on every eviction). A CPU slot has no reverse map on the device: nothing on the decode
 path reads one, so :meth:`SelectionGroup.check_integrity` derives it from the mapping and the
 shadows (8 B per CPU slot per group saved: the CPU tier is ``cpu_ratio`` times the GPU pool).
@@ -83,6 +85,12 @@ def live_shadows(c: dict[str, int]) -> int:
     return c["shadowed"] - c["remaps"] - c["reclaims"] - c["shadows_released"]
 
 NO_CLAIM = torch.iinfo(torch.int64).max
+MAP_DTYPE = torch.int32
+"""Element type of the mapping ``loc`` and the GPU reverse map ``gpu_owner`` (4 B an entry:
+the mapping spans every logical token, per group). Readers widen to ``int64`` before
+arithmetic; writers narrow."""
+MAP_LIMIT = 2**31 - 1
+"""``n_logical + 1`` and ``gpu_slots + cpu_slots`` must not exceed this (int32 entries)."""
 
 BORN = -1
 """``shadow[slot]`` of a free GPU slot, or of a row that has never been in the CPU tier."""
@@ -285,6 +293,9 @@ class SelectionGroup:
         self.max_call = int(max_call) if max_call is not None else gpu_slots + CALL_FLOOR
         if self.max_call < 1:
             raise ShapeError(f"max_call must be >= 1, got {max_call}")
+        if n_logical + 1 > MAP_LIMIT or gpu_slots + cpu_slots > MAP_LIMIT:
+            raise ShapeError(f"{n_logical} addresses and {gpu_slots} + {cpu_slots} slots per "
+                             f"group: the int32 mapping holds at most {MAP_LIMIT} of each")
         self.layers = list(layers)
         self.layer_index = {layer: i for i, layer in enumerate(self.layers)}
         self.n_logical, self.gpu_slots, self.cpu_slots = n_logical, gpu_slots, cpu_slots
@@ -299,8 +310,8 @@ class SelectionGroup:
         else:
             self.policy = make_policy(policy, gpu_slots, n_buckets, self.device)
         table = (n_logical + 1,)
-        self.loc = allocate(table, torch.int64, self.device, "the mapping table", fill=-1)
-        self.gpu_owner = torch.full((gpu_slots + 1,), -1, dtype=torch.int64, device=self.device)
+        self.loc = allocate(table, MAP_DTYPE, self.device, "the mapping table", fill=-1)
+        self.gpu_owner = torch.full((gpu_slots + 1,), -1, dtype=MAP_DTYPE, device=self.device)
         # per GPU slot: the CPU slot of its row's shadow, or BORN / WAS_ON_CPU (int32: 4 B)
         self.shadows = bool(shadows)
         self.shadow = torch.full((gpu_slots + 1,), BORN, dtype=torch.int32, device=self.device)
@@ -433,7 +444,7 @@ class SelectionGroup:
         cand = self.policy.victims(flat.numel())
         slot = torch.where(fresh, cand[rank.clamp(min=0)], -1)
         vs = torch.where(slot >= 0, slot, G)
-        owner = self.gpu_owner[vs]
+        owner = self.gpu_owner[vs].long()
         had = self._shadow_of(vs)
         occupied = (slot >= 0) & (owner >= 0)
         remap = occupied & (had >= 0)  # evicted onto its shadow: no copy, no free slot used
@@ -446,13 +457,15 @@ class SelectionGroup:
         # ... then the mapping
         evicted = spill | remap
         self.loc.index_put_((torch.where(evicted, owner, self.n_logical),),
-                            torch.where(spill, G + cslot, torch.where(remap, G + had, -1)))
+                            torch.where(spill, G + cslot, torch.where(remap, G + had, -1))
+                            .to(MAP_DTYPE))
         self._settle_stack(took, took & remap, popped)
         slot = torch.where(ok, slot, -1)
-        self.gpu_owner.index_put_((torch.where(ok, slot, G),), torch.where(ok, flat, -1))
+        self.gpu_owner.index_put_((torch.where(ok, slot, G),),
+                                  torch.where(ok, flat, -1).to(MAP_DTYPE))
         self.shadow.index_put_((torch.where(ok, slot, G),),
                                torch.full_like(slot, BORN, dtype=torch.int32))
-        self.loc.index_put_((torch.where(ok, flat, self.n_logical),), slot)
+        self.loc.index_put_((torch.where(ok, flat, self.n_logical),), slot.to(MAP_DTYPE))
         self.policy.assign(slot)
         self._count(placed=ok.sum(), spills=spill.sum(), place_overflow=(fresh & ~ok).sum(),
                     invalid=bad.sum(), remaps=remap.sum(),
@@ -622,7 +635,7 @@ class SelectionGroup:
         if bool(((flat != -1) & ~inrange).any()):
             raise AddressError(f"{what}: addrs out of range [0, {self.n_logical}) (or negative "
                                "other than the -1 padding)")
-        phys = torch.where(inrange, self.loc[safe], -1)
+        phys = torch.where(inrange, self.loc[safe].long(), -1)
         if bool((inrange & (phys < 0)).any()):
             raise AddressError(f"{what}: addrs not live (never placed, or released)")
         if distinct and bool((inrange & ~self._first(safe, inrange)).any()):
@@ -663,7 +676,7 @@ class SelectionGroup:
         flat = addrs.reshape(-1).to(torch.int64)
         G = self.gpu_slots
         inrange, safe = self._range(flat)
-        phys = self.loc[safe]
+        phys = self.loc[safe].long()
         valid = inrange & (phys >= 0)
         bad = (flat != -1) & ~valid
         checking = self._checking()
@@ -684,7 +697,7 @@ class SelectionGroup:
         ok = victim >= 0
         cslot = torch.where(ok, phys - G, -1)
         vs = torch.where(ok, victim, G)
-        owner = self.gpu_owner[vs]
+        owner = self.gpu_owner[vs].long()
         owned = ok & (owner >= 0)
         had = self._shadow_of(vs)
         remap = owned & (had >= 0)  # the victim's shadow becomes its CPU copy: no copy out
@@ -706,10 +719,11 @@ class SelectionGroup:
         gather_rows(self.pools.cpu, torch.where(ok & ~swap, cslot, -1), self.pools.gpu,
                     torch.where(ok & ~swap, victim, -1))
         # 2. mapping
-        self.loc.index_put_((torch.where(ok, flat, self.n_logical),), victim)
+        self.loc.index_put_((torch.where(ok, flat, self.n_logical),), victim.to(MAP_DTYPE))
         self.loc.index_put_((torch.where(owned, owner, self.n_logical),),
-                            torch.where(copy_out, G + dst, torch.where(remap, G + had, -1)))
-        self.gpu_owner.index_put_((vs,), torch.where(ok, flat, -1))
+                            torch.where(copy_out, G + dst, torch.where(remap, G + had, -1))
+                            .to(MAP_DTYPE))
+        self.gpu_owner.index_put_((vs,), torch.where(ok, flat, -1).to(MAP_DTYPE))
         self.shadow.index_put_((vs,), torch.where(keep, cslot, WAS_ON_CPU).to(torch.int32))
         if self.shadows:
             self._settle_stack(took, took & remap, popped)
@@ -720,7 +734,7 @@ class SelectionGroup:
                     writebacks=copy_out.sum(), access_overflow=(miss & ~ok).sum(),
                     invalid=bad.sum(), remaps=remap.sum(), shadowed=keep.sum(),
                     rewrites=(copy_out & (had == WAS_ON_CPU)).sum())
-        rows = self.loc[safe]
+        rows = self.loc[safe].long()
         rows = torch.where(valid & (rows >= 0) & (rows < G), rows + self.row_base, -1) \
             .view(addrs.shape)
         if out is None:
@@ -747,7 +761,7 @@ class SelectionGroup:
         selection stops all ranks alike."""
         flat = self._index_tensor(addrs, "access: addrs", dims=2)
         inrange, safe = self._range(flat)
-        phys = self.loc[safe]
+        phys = self.loc[safe].long()
         valid = inrange & (phys >= 0)
         if bool(((flat != -1) & ~valid).any()):
             raise AddressError("access: addrs hold an address that is out of range, not live, "
@@ -781,7 +795,7 @@ class SelectionGroup:
     def _translate_torch(self, addrs: torch.Tensor) -> torch.Tensor:
         flat = self._index_tensor(addrs, "translate: addrs")
         _, safe = self._range(flat)
-        phys = self.loc[safe]
+        phys = self.loc[safe].long()
         return torch.where((phys >= 0) & (phys < self.gpu_slots), phys + self.row_base, -1) \
             .to(torch.int32).view(addrs.shape)
 
@@ -812,7 +826,7 @@ class SelectionGroup:
     def _release_torch(self, addrs: torch.Tensor) -> None:
         """:meth:`release` of at most :attr:`max_call` entries, the torch reference."""
         flat, inrange, safe, first, bad = self._release_plan(addrs, self._checking())
-        phys = self.loc[safe]
+        phys = self.loc[safe].long()
         mapped = inrange & (phys >= 0)
         drop = first & mapped
         G = self.gpu_slots
@@ -823,8 +837,9 @@ class SelectionGroup:
         shadowed = on_gpu & (had >= 0)  # the row's shadow is freed with it
         cslot = torch.where(on_cpu, phys - G, torch.where(shadowed, had, -1))
         self.loc.index_put_((torch.where(drop, flat, self.n_logical),),
-                            torch.full_like(flat, -1))
-        self.gpu_owner.index_put_((torch.where(on_gpu, gslot, G),), torch.full_like(gslot, -1))
+                            torch.full_like(flat, -1, dtype=MAP_DTYPE))
+        self.gpu_owner.index_put_((torch.where(on_gpu, gslot, G),),
+                                  torch.full_like(gslot, -1, dtype=MAP_DTYPE))
         self.shadow.index_put_((torch.where(on_gpu, gslot, G),),
                                torch.full_like(gslot, BORN, dtype=torch.int32))
         self.policy.release(gslot)
@@ -853,7 +868,7 @@ class SelectionGroup:
         live.
         """
         G, C = self.gpu_slots, self.cpu_slots
-        loc = self.loc[: self.n_logical]
+        loc = self.loc[: self.n_logical].long()
         assert int(self.loc[self.n_logical]) == -1, "scratch mapping entry was written"
         mapped = loc >= 0
         assert bool((loc < G + C).all()), "mapping points past the pools"
@@ -872,7 +887,7 @@ class SelectionGroup:
         assert bool((shadow[free_g] == BORN).all()), "a free GPU slot keeps a shadow marker"
         assert self.shadows or not bool((shadow >= 0).any()), "shadow kept with shadows off"
         s_gpu = g_slot[shadow[g_slot] >= 0]
-        s_slot, s_addr = shadow[s_gpu], self.gpu_owner[s_gpu]
+        s_slot, s_addr = shadow[s_gpu], self.gpu_owner[s_gpu].long()
         if s_gpu.numel() and self.pools.n_layers:
             assert torch.equal(self.pools.gpu[:, s_gpu].cpu(), self.pools.cpu[:, s_slot].cpu()), \
                 "a shadow differs from its GPU row"
@@ -885,7 +900,7 @@ class SelectionGroup:
         exp_c = torch.full((C,), -1, dtype=torch.int64, device=self.device)
         exp_c[c_slot] = c_addr
         exp_c[s_slot] = s_addr
-        assert torch.equal(exp_g, self.gpu_owner[:G]), "gpu_owner disagrees with mapping"
+        assert torch.equal(exp_g, self.gpu_owner[:G].long()), "gpu_owner disagrees with mapping"
         assert int(self.gpu_owner[G]) == -1, "scratch owner"
         # free structures and owned slots are disjoint and cover each pool
         assert torch.equal(self.policy.used_mask(), exp_g >= 0), "policy free set != unowned"

@@ -100,7 +100,7 @@ def table_bytes(groups: int, *, n_logical: int | Affine, gpu_slots: int | Affine
     bucket row (``tests/test_sizing.py`` measures both on real objects).
 
     Counted, per selection group (:class:`~ulacache.group.SelectionGroup`): the mapping ``loc
-    int64 [n + 1]``, ``gpu_owner int64 [G + 1]``, the shadow table ``int32 [G + 1]``,
+    int32 [n + 1]``, ``gpu_owner int32 [G + 1]``, the shadow table ``int32 [G + 1]``,
     the CPU free stack ``int32 [C + 1]`` (no CPU reverse map), ``cpu_top`` and the reclaim
     cursor, the policy over ``G`` slots (PB-LRU's bucket tables may be stacked in one arena per
     address space: the same bytes); per rank: PB-LRU's byte tables (one pair per device, shared
@@ -118,7 +118,7 @@ def table_bytes(groups: int, *, n_logical: int | Affine, gpu_slots: int | Affine
     Not counted: host mirrors of the counters.
     """
     n, G, C = Affine.of(n_logical), Affine.of(gpu_slots), Affine.of(cpu_slots)
-    group = (8 * (n + 1) + 8 * (G + 1) + 4 * (G + 1) + 4 * (C + 1) + 8 + 8
+    group = (4 * (n + 1) + 4 * (G + 1) + 4 * (G + 1) + 4 * (C + 1) + 8 + 8
              + _policy_bytes(policy, G, n_buckets))
     total = groups * group + 8 * (n + 1) + groups * len(COUNTERS) * 8
     if policy == "pblru":
