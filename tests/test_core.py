@@ -509,3 +509,15 @@ def test_address_zero_is_evicted_like_any_other(shadows):
     g.check_integrity()
     for a in range(8):
         assert torch.equal(g.read(0, torch.tensor([a])), rows[a]), a
+
+
+def test_int32_tables_refuse_what_they_cannot_index():
+    """The mapping and GPU owners are int32 and the CPU free stack holds int32 slot numbers:
+    a group over 2**31 - 1 addresses, or whose slots do not fit one int32, is refused with a
+    ShapeError before anything is allocated (the sizes below would need terabytes)."""
+    from ulacache.group import MAP_LIMIT, SelectionGroup
+
+    for n, g, c in [(MAP_LIMIT, 16, 16), (1 << 10, 16, MAP_LIMIT - 15),
+                    (1 << 10, MAP_LIMIT, 1)]:
+        with pytest.raises(ShapeError, match="int32 mapping"):
+            SelectionGroup([0], n, g, c, 8, "cpu", "lru", 64, True, access_path="torch")
