@@ -201,6 +201,19 @@ def test_replay_json_on_the_bundled_trace(capsys):
     cap = doc["capacity"]
     assert cap["model"] == "GLM-5" and {r["platform"] for r in cap["rows"]} == {"h200", "b300"}
     assert all(set(r["max_requests"]) == {"32768", "131072"} for r in cap["rows"])
+    # shadows on / off / on with the CPU tier at HiSparse's host rows: same GPU rows, and
+    # the roomier tier writes back no more than the smallest one that fits
+    from ulacache.tools.replay import live_tokens
+    from ulacache.tools.traces import load_trace
+
+    sh = doc["shadows"]
+    tokens = live_tokens(load_trace(cli.bundled_trace()), 2, 8)
+    assert sh["cpu_slots"] == {"on": ula["cpu_slots"], "off": ula["cpu_slots"],
+                               "equal_host": tokens}
+    assert ula["cpu_slots"] == tokens - ula["gpu_slots"] + 64 and sh["rows_identical"]
+    e = sh["eviction_d2h_over_h2d"]
+    assert e["equal_host"] <= e["on"] <= e["off"]
+    assert sh["equal_host"]["backup_d2h_bytes"] == sh["on"]["backup_d2h_bytes"]
 
 
 def test_replay_report_names_a_winner_per_row(capsys):

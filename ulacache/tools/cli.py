@@ -138,7 +138,7 @@ def _replay(args: argparse.Namespace) -> int:
     from . import compare
     from .hisparse import hisparse_gpu_rows, replay_hisparse
     from .launches import count_launches, fused_countable
-    from .replay import replay
+    from .replay import live_tokens, replay
 
     h = args.hisparse_slots if args.hisparse_slots is not None else 2 * trace.k
     if h < trace.k:
@@ -160,6 +160,15 @@ def _replay(args: argparse.Namespace) -> int:
         write_back = replay(trace, policy=policy, **(kw | {"shadows": False}))
         logger.info("ulacache (%s, shadows off) replay: %.1f s", policy,
                     time.perf_counter() - t0)
+    equal_host = None
+    if args.shadows == "both" and args.cpu_slots is None:
+        # shadows again with the CPU tier at HiSparse's host rows (its mirror of every token):
+        # the default tier is the smallest that fits, 1 - G / tokens of HiSparse's host bytes
+        t0 = time.perf_counter()
+        equal_host = replay(trace, policy=policy, **(kw | {
+            "shadows": True, "cpu_slots": live_tokens(trace, args.requests, args.steps)}))
+        logger.info("ulacache (%s, CPU tier at HiSparse's host rows) replay: %.1f s", policy,
+                    time.perf_counter() - t0)
     lru = None
     if args.compare_lru:
         other = "lru" if policy == "pblru" else "pblru"
@@ -180,11 +189,11 @@ def _replay(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"trace": str(path),
                           **compare.report_dict(ula, hs, launches, capacity, lru,
-                                                write_back)}))
+                                                write_back, equal_host)}))
     else:
         print(compare.format_report(trace, ula, hs, launches, capacity, lru,
                                     seconds=time.perf_counter() - t_start,
-                                    write_back=write_back))
+                                    write_back=write_back, equal_host=equal_host))
     return 0
 
 

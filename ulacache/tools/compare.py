@@ -160,7 +160,8 @@ def _capacity_verdicts(cap: dict, plat: str) -> str:
 
 def format_report(trace, ula: ReplayResult, hs: HiSparseReplayResult, launches: dict,
                   capacity: dict | None, lru: ReplayResult | None = None,
-                  seconds: float | None = None, write_back: ReplayResult | None = None) -> str:
+                  seconds: float | None = None, write_back: ReplayResult | None = None,
+                  equal_host: ReplayResult | None = None) -> str:
     """The report as text (see the module docstring)."""
     meta = trace.meta.raw
     rows = residency_rows(ula, hs, launches)
@@ -189,7 +190,7 @@ def format_report(trace, ula: ReplayResult, hs: HiSparseReplayResult, launches: 
         if r.note:
             lines.append(f"  {r.metric}: {r.note}")
     if write_back is not None:
-        lines += format_shadows(ula, write_back)
+        lines += format_shadows(ula, write_back, equal_host)
     if capacity:
         lengths = capacity["lengths"]
         head = "".join(f"{'req@' + str(n // 1024) + 'K':>9}" for n in lengths)
@@ -272,48 +273,64 @@ def summary(rows: list[Row], capacity: dict | None) -> str:
     return text
 
 
-def shadow_summary(on: ReplayResult, off: ReplayResult) -> dict:
+def shadow_summary(on: ReplayResult, off: ReplayResult,
+                   equal_host: ReplayResult | None = None) -> dict:
     """Write-back-free eviction on the same selections: shadows on vs off, per step (all
     groups). The GPU side is identical (``rows_identical``: every access returned the same
-    GPU rows), only the D2H differs."""
+    GPU rows), only the D2H differs. ``equal_host``: shadows on again with the CPU tier at
+    HiSparse's host rows (its mirror of every token) instead of the smallest tier that fits;
+    the GPU side is again identical, and the shadows have room."""
     def side(r: ReplayResult) -> dict:
         return {"h2d_bytes": r.h2d_bytes_per_step, "eviction_d2h_bytes":
                 r.eviction_d2h_bytes_per_step, "backup_d2h_bytes": r.backup_d2h_bytes_per_step,
                 "d2h_bytes": r.d2h_bytes_per_step, "remaps": r.remaps_per_step,
                 "reclaims": r.reclaims_per_step}
     h2d = on.h2d_bytes_per_step or 1.0
-    return {"on": side(on), "off": side(off),
-            "rows_identical": on.rows_digest == off.rows_digest and on.misses == off.misses,
-            "eviction_d2h_over_h2d": {"on": on.eviction_d2h_bytes_per_step / h2d,
-                                      "off": off.eviction_d2h_bytes_per_step / h2d},
-            "d2h_over_h2d": {"on": on.d2h_bytes_per_step / h2d,
-                             "off": off.d2h_bytes_per_step / h2d}}
+    runs = {"on": on, "off": off} | ({} if equal_host is None else {"equal_host": equal_host})
+    return {**{name: side(r) for name, r in runs.items()},
+            "cpu_slots": {name: r.cpu_slots for name, r in runs.items()},
+            "rows_identical": all(r.rows_digest == on.rows_digest and r.misses == on.misses
+                                  for r in runs.values()),
+            "eviction_d2h_over_h2d": {name: r.eviction_d2h_bytes_per_step / h2d
+                                      for name, r in runs.items()},
+            "d2h_over_h2d": {name: r.d2h_bytes_per_step / h2d for name, r in runs.items()}}
 
 
-def format_shadows(on: ReplayResult, off: ReplayResult) -> list[str]:
+def format_shadows(on: ReplayResult, off: ReplayResult,
+                   equal_host: ReplayResult | None = None) -> list[str]:
     """The shadow comparison as text lines."""
-    s = shadow_summary(on, off)
+    s = shadow_summary(on, off, equal_host)
     kb = 1024.0
+    cols = ["on", "off"] + ([] if equal_host is None else ["equal_host"])
+    head = {"on": "shadows on", "off": "off", "equal_host": "on, CPU +"}
     lines = ["", "Evictions without write-back (shadows) on the same selections, KB per step, "
              "all layers:",
-             f"{'':<28}{'shadows on':>11}{'off':>11}"]
+             f"{'':<28}" + "".join(f"{head[c]:>11}" for c in cols)]
     for label, key in (("H2D (promotions)", "h2d_bytes"),
                        ("D2H eviction (rewrites)", "eviction_d2h_bytes"),
                        ("D2H backup (first copies)", "backup_d2h_bytes"),
                        ("D2H total", "d2h_bytes")):
-        lines.append(f"{label:<28}{s['on'][key] / kb:>11,.1f}{s['off'][key] / kb:>11,.1f}")
+        lines.append(f"{label:<28}" + "".join(f"{s[c][key] / kb:>11,.1f}" for c in cols))
     e, d = s["eviction_d2h_over_h2d"], s["d2h_over_h2d"]
     lines.append(f"  eviction D2H / H2D {e['on']:.3f} on, {e['off']:.3f} off; total D2H / H2D "
                  f"{d['on']:.3f} on, {d['off']:.3f} off; {s['on']['remaps']:,.1f} remaps and "
                  f"{s['on']['reclaims']:,.1f} reclaims per step; every access returned "
                  + ("the same GPU rows" if s["rows_identical"] else "DIFFERENT GPU rows (a bug)"))
+    if equal_host is not None:
+        c = s["cpu_slots"]
+        lines.append(f"  CPU +: the CPU tier at HiSparse's host rows ({c['equal_host']:,}, its "
+                     f"mirror of every token) instead of the {c['on']:,} that fit: eviction "
+                     f"D2H / H2D {e['equal_host']:.3f}, total {d['equal_host']:.3f} (rows "
+                     "born on the GPU, copied once)")
     return lines
 
 
 def report_dict(ula: ReplayResult, hs: HiSparseReplayResult, launches: dict,
                 capacity: dict | None, lru: ReplayResult | None = None,
-                write_back: ReplayResult | None = None) -> dict:
-    """The report as one JSON-able object (``write_back``: the same replay, shadows off)."""
+                write_back: ReplayResult | None = None,
+                equal_host: ReplayResult | None = None) -> dict:
+    """The report as one JSON-able object (``write_back``: the same replay, shadows off;
+    ``equal_host``: shadows on, the CPU tier at HiSparse's host rows)."""
     results = [ula.to_dict()] + ([lru.to_dict()] if lru is not None else [])
     pcie = {r["policy"]: r["h2d_bytes_per_step"] + r["d2h_bytes_per_step"] for r in results}
     return {
@@ -324,5 +341,5 @@ def report_dict(ula: ReplayResult, hs: HiSparseReplayResult, launches: dict,
         "pcie_bytes_per_step_ratio_hisparse_over": {
             p: hs.pcie_bytes_per_step / v if v else None for p, v in pcie.items()},
         "shadows": None if write_back is None else {
-            **shadow_summary(ula, write_back), "shadows_off": write_back.to_dict()},
+            **shadow_summary(ula, write_back, equal_host), "shadows_off": write_back.to_dict()},
     }

@@ -67,6 +67,14 @@ class ReplayResult:
         return asdict(self)
 
 
+def live_tokens(trace: Trace, requests: int, steps: int) -> int:
+    """Tokens the replayed requests hold after their last step (per layer): the rows
+    HiSparse's host mirror holds then (it keeps every token), and ulacache's default CPU tier
+    plus its GPU pool, less a page."""
+    pos = trace.positions
+    return sum(int(pos[s + steps - 1]) + 1 for s in plan_requests(trace, requests, steps))
+
+
 def plan_requests(trace: Trace, requests: int, steps: int) -> list[int]:
     """Start step of each request, spread over the trace so requests differ in length."""
     if not 1 <= steps <= trace.steps:
@@ -91,7 +99,7 @@ def replay(trace: Trace, *, requests: int = 4, steps: int = 256, layers: list[in
         raise ValueError(f"layers must be non-empty indices in [0, {trace.layers})")
     starts = plan_requests(trace, requests, steps)
     pos = trace.positions
-    live_end = sum(int(pos[s + steps - 1]) + 1 for s in starts)
+    live_end = live_tokens(trace, requests, steps)
     k = trace.k
     gpu_slots = gpu_slots or 256 * requests
     if gpu_slots < requests * (k + 1):
