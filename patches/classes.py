@@ -55,9 +55,10 @@ def _build_dsa_kv_pool_around(original_fn, self, *args, **kwargs):
     """Build the pool with this configurator's launch plan (:func:`~.launch.plan_launch`, the
     same the sizing hook charged), which SGLang's call site cannot pass: under HiSparse it
     passes no ``skip_topk_layers`` (it would elide their index-K), so the plan's copy of the
-    model's pattern makes shared layers join their anchor's selection group, and in TP mode
-    the plan sizes the buffer exactly as charged. The index-K allocation is unchanged; the
-    coordinator cross-checks the groups against SGLang's ``shared_index_layers`` at start-up."""
+    model's pattern makes shared layers join their anchor's selection group and get no
+    index-K (as stock SGLang does without HiSparse; the sizing hook charges anchors only), and
+    in TP mode the plan sizes the buffer exactly as charged. The coordinator cross-checks the
+    groups against SGLang's ``shared_index_layers`` at start-up."""
     with building(plan_launch(self)):
         return original_fn(self, *args, **kwargs)
 

@@ -136,10 +136,13 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
                               f"the pool's group has {P}")
         self.ula_plan, self.ula_options = plan, opts
         # SGLang passes skip_topk_layers only when it elides the shared layers' index-K (never
-        # under HiSparse); otherwise the plan carries the model's pattern
-        self.ula_groups = layer_groups_from_skip(
-            plan.skip_topk_layers if skip_topk_layers is None else skip_topk_layers,
-            layer_num, start_layer or 0)
+        # under HiSparse); otherwise the plan carries the model's pattern. Either way the
+        # shared layers get no index-K: they never run the indexer (forward_mla.py:146-165)
+        # and nothing on the HiSparse / ulacache path reads it; the sizing hook charges
+        # anchors only (sglang_sizing.elided_index_k_bytes)
+        if skip_topk_layers is None and plan.skip_topk_layers is not None:
+            skip_topk_layers = list(plan.skip_topk_layers)
+        self.ula_groups = layer_groups_from_skip(skip_topk_layers, layer_num, start_layer or 0)
         self.ula_tp = None if grp is None else \
             TPMembership(grp, ulacache_peers or make_tp_peers(grp, device))
         self.ula_rows = PoolRows(page_size, size // P, plan.buffer_slots)  # for _create_buffers

@@ -18,7 +18,13 @@ knows nothing of ulacache, so one AROUND hook on ``DefaultPoolConfigurator.__ini
 * DP mode: the pool's tail page (64 rows per layer beyond SGLang's padding page);
 * TP mode: ``ceil(latent / P)`` per token instead of the latent (each rank holds ``N / P`` own
   rows of the ``N`` global GPU tokens) and the rows per layer around them (sink page, scratch,
-  ``B`` buffer rows, padding to a page) as fixed overhead. Index-K stays charged in full.
+  ``B`` buffer rows, padding to a page) as fixed overhead. Index-K stays charged in full
+  (replicated on every rank);
+* both modes, shared-index models (layers that reuse the previous layer's top-k, SGLang's
+  ``dsa_layer_skips_topk``): the pool gives those layers no index-K (``sglang_pool`` passes the
+  plan's flags; they never run the indexer, ``forward_mla.py:146-165``), so their share of the
+  stock charge is taken back (:func:`elided_index_k_bytes`). Stock SGLang elides them too,
+  except under HiSparse, whose seams ulacache uses (``pool_configurator.py:592-597``).
 
 Draft workers (their stock pool has no ulacache tables) and non-MLA models are left alone.
 Post-adjusting ``__init__`` leaves the EAGLE draft terms at their stock values.
@@ -58,6 +64,7 @@ def pool_configurator_init_around(original_fn, self, kvc, *args, **kwargs):
                                      kv_cache_dtype=kvc.kv_cache_dtype) * \
         torch._utils._element_size(kvc.kv_cache_dtype)
     stock_cell = self._cell_size
+    self._cell_size -= elided_index_k_bytes(self, kvc, plan.skip_topk_layers, layers)
     if P > 1:
         latent = row * layers
         self._cell_size -= latent - math.ceil(latent / P)
@@ -85,6 +92,22 @@ def pool_configurator_init_around(original_fn, self, kvc, *args, **kwargs):
         (fixed + rows_bytes + outputs) / 2**20, fixed / 2**20,
         f"{B} buffer rows + sink, scratch, padding per layer" if P > 1 else "tail page",
         rows_bytes / 2**20, outputs / 2**20)
+
+
+def elided_index_k_bytes(configurator, kvc, skip_topk_layers, layers: int) -> int:
+    """Bytes per GPU token of index-K the stock cell charges for layers the pool builds
+    without it: the shared-index layers of ``skip_topk_layers`` (per layer of this worker;
+    ``None``: none). Stock SGLang 0.5.23 charges every layer under HiSparse
+    (``pool_configurator.py:592-597``); a charge that already counts anchors only (a later
+    SGLang) is left alone, so nothing is taken back twice."""
+    skipped = sum(bool(s) for s in skip_topk_layers or ())
+    if not skipped:
+        return 0
+    size = configurator._compute_dsa_indexer_cell_size
+    one = size(kvc=kvc, num_layers=1)
+    if size(kvc=kvc, num_layers=layers) != layers * one:
+        return 0
+    return skipped * one
 
 
 MAX_ESTIMATED_REQUESTS = 4096

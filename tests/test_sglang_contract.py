@@ -243,9 +243,15 @@ def test_pool_groups_follow_the_models_sharing_when_sglang_passes_none():
         layer_info=types.SimpleNamespace(start_layer=0, end_layer=L))
     h = hook(lambda self: Harness(False), configurator)  # the pool sees skip_topk_layers=None
     assert h.pool.ula_groups == [[0, 1], [2, 3]]
+    # ... and the shared layers get no index-K (0-row buffers, as stock SGLang elides them
+    # without HiSparse); the anchors keep theirs
+    rows = [b.shape[0] for b in h.pool.index_k_with_scale_buffer]
+    assert rows[1] == rows[3] == 0 and rows[0] == rows[2] > 0
     assert launch.plan_being_built() is None  # scoped to the build
     draft = types.SimpleNamespace(**{**vars(configurator), "is_draft_worker": True})
-    assert hook(lambda self: Harness(False), draft).pool.ula_groups == [[0], [1], [2], [3]]
+    d = hook(lambda self: Harness(False), draft).pool
+    assert d.ula_groups == [[0], [1], [2], [3]]
+    assert all(b.shape[0] > 0 for b in d.index_k_with_scale_buffer)  # a draft elides nothing
 
     def coordinator(shared):
         return UlaCacheCoordinator(

@@ -12,7 +12,9 @@ layer, top-k sharing pattern ``FSFF``: selection groups ``[0, 1], [2], [3]``):
   hook charged, and the tables alone must be within the core formula's bound.
 
 Checked here: the cell grows by exactly the core's per-token table bytes
-(``ulacache.sizing.table_bytes_per_slot`` for the groups of SGLang's own pattern), the fixed
+(``ulacache.sizing.table_bytes_per_slot`` for the groups of SGLang's own pattern) less the
+index-K of the shared layer (layer 1: the pool gives it none, as stock SGLang does without
+HiSparse), the fixed
 overhead by its fixed bytes plus the pool's extra rows, and the token count times the per-token
 bytes plus the fixed bytes fits the budget. A hook that forgot the tables, counted layers
 instead of selection groups or used ``cpu_ratio`` for the ratio fails the exact comparison.
@@ -33,6 +35,7 @@ pytestmark = pytest.mark.sglang
 AVAIL = 8 << 20  # the byte budget SGLang's profiler would hand the configurator
 LAYERS, ROW, INDEX_K, RATIO, BUCKETS, P, MAX_REQS, TOP_K = 4, 160, 132, 5, 8, 4, 4, 32
 GROUPS = [[0, 1], [2], [3]]
+SHARED = [1]  # layers that reuse the previous layer's top-k: no index-K
 # the coordinator's int32 [R, top_k] rows per group + int64 [R] row ids, R = MAX_REQS + 1
 OUTPUTS = len(GROUPS) * (MAX_REQS + 1) * TOP_K * 4 + (MAX_REQS + 1) * 8
 
@@ -102,6 +105,9 @@ _CHILD = textwrap.dedent(f"""
         pool.core, host + [g.pools.gpu for g in pool.core.groups]).values())
     out["ours"] = sum(device_table_bytes(pool, host, modules=mods).values())
     out["theirs"] = sum(device_table_bytes(stock, [], modules=mods).values())
+    out["index_rows"] = [b.shape[0] for b in pool.index_k_with_scale_buffer]
+    out["stock_index_rows"] = [b.shape[0] for b in stock.index_k_with_scale_buffer]
+    out["elided"] = sum(stock.index_k_with_scale_buffer[i].nbytes for i in {SHARED})
     print("RESULT " + json.dumps(out))
 """)
 
@@ -125,11 +131,13 @@ def test_dp_cell_grows_by_the_tables_of_the_real_groups(sized):
                      "tokens": AVAIL // stock["cell"] // 64 * 64}
     per, fixed = table_bytes_per_slot(len(GROUPS), ratio=RATIO, page_size=64,
                                       n_buckets=BUCKETS)
-    assert dp["cell"] - stock["cell"] == per > 0
+    assert dp["cell"] - stock["cell"] == per - len(SHARED) * INDEX_K * RATIO
+    assert per > 0
     # + the tail page + the coordinator's output rows (R = MAX_REQS + padding row, 1 step)
     assert dp["fixed"] - stock["fixed"] == fixed + 64 * LAYERS * ROW + OUTPUTS
-    assert dp["tokens"] * dp["cell"] + dp["fixed"] <= AVAIL
-    assert dp["tokens"] < stock["tokens"]
+    assert dp["tokens"] == (AVAIL - dp["fixed"]) // dp["cell"] // 64 * 64
+    # this toy's tables (255 B) weigh less than the shared layer's index-K (660 B): more tokens
+    assert dp["cell"] < stock["cell"] and dp["tokens"] > stock["tokens"]
 
 
 def test_what_the_dp_pool_allocates_beyond_stock_is_charged(sized):
@@ -146,7 +154,17 @@ def test_what_the_dp_pool_allocates_beyond_stock_is_charged(sized):
     assert sized["tables"] <= per * N + fixed <= sized["tables"] + N + 3 * (BUCKETS + 3) * 204 + 1
     extra = sized["ours"] - sized["theirs"]
     charged = (dp["cell"] - stock["cell"]) * N + dp["fixed"] - stock["fixed"]
-    assert sized["tables"] + 64 * LAYERS * ROW <= extra <= charged
+    assert sized["tables"] + 64 * LAYERS * ROW - sized["elided"] <= extra <= charged
+
+
+def test_shared_layers_get_no_index_k_and_their_charge_goes(sized):
+    """SGLang builds the HiSparse pool without ``skip_topk_layers`` (its elision is off under
+    HiSparse), so the pool takes the plan's flags: the shared layer's index-K buffer has no
+    rows, every anchor's is the stock size; what it frees covers the charge taken back."""
+    rows, stock_rows = sized["index_rows"], sized["stock_index_rows"]
+    assert all(r > 0 for r in stock_rows)
+    assert rows == [0 if i in SHARED else stock_rows[i] for i in range(LAYERS)]
+    assert sized["elided"] >= len(SHARED) * INDEX_K * RATIO * sized["dp"]["tokens"]
 
 
 def test_tp_cell_charges_one_pth_of_the_latent_the_buffer_and_the_tables(sized):
@@ -159,7 +177,8 @@ def test_tp_cell_charges_one_pth_of_the_latent_the_buffer_and_the_tables(sized):
                                       n_buckets=BUCKETS, tp_size=P, buffer_slots=B,
                                       layers=LAYERS)
     latent = LAYERS * ROW
-    assert tp["cell"] - stock["cell"] == per - (latent - -(-latent // P))
+    assert tp["cell"] - stock["cell"] == \
+        per - (latent - -(-latent // P)) - len(SHARED) * INDEX_K * RATIO
     assert tp["fixed"] - stock["fixed"] == fixed + (B + 2 * 64) * LAYERS * ROW + OUTPUTS
     assert 0 < tp["tokens"] * tp["cell"] + tp["fixed"] <= AVAIL
     assert tp["tokens"] % 64 == 0
