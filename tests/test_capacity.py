@@ -372,7 +372,10 @@ _HOOKED_SIZES = textwrap.dedent(f"""
     from ulacache.config import SGLangOptions
     from ulacache.patches import launch, sglang_sizing as sz
 
-    ARCH = {{"glm5": ("GlmMoeDsaForCausalLM", 78), "dsv32": ("DeepseekV32ForCausalLM", 61)}}
+    ARCH = {{"glm5": ("GlmMoeDsaForCausalLM", 78), "dsv32": ("DeepseekV32ForCausalLM", 61),
+            "glm52": ("GlmMoeDsaForCausalLM", 78)}}
+    # glm52: SGLang reads the sharing from indexer_types (dsa_layer_skips_topk)
+    TYPES = {{"glm52": json.loads(sys.argv[2])}}
     budget = int(sys.argv[1])
     launch.tp_group = lambda: types.SimpleNamespace(world_size=8)
     out = {{}}
@@ -384,8 +387,9 @@ _HOOKED_SIZES = textwrap.dedent(f"""
         sa.resolve_once()
         publish(sa, role="scheduler")
         for model, (arch, layers) in ARCH.items():
+            extra = {{"indexer_types": TYPES[model]}} if model in TYPES else {{}}
             hf = PretrainedConfig(architectures=[arch], index_head_dim=128, index_topk=2048,
-                                  num_hidden_layers=layers)
+                                  num_hidden_layers=layers, **extra)
             mc = types.SimpleNamespace(hf_config=hf, hf_text_config=hf, kv_lora_rank=512,
                                        qk_rope_head_dim=64, num_hidden_layers=layers,
                                        context_len=4096, linear_attn_registry_result=None)
@@ -415,22 +419,26 @@ _HOOKED_SIZES = textwrap.dedent(f"""
 def test_ulacache_columns_equal_the_hooked_sglang_sizing():
     """capacity.py's ulacache cell, fixed overhead (tables, tail page or TP rows, coordinator
     output rows), pool size and group count are what SGLang's real ``DefaultPoolConfigurator``
-    gives through ``patches/sglang_sizing.py``: GLM-5 and DeepSeek-V3.2 FP8, ``cpu_ratio`` 2
-    and 4, DP and TP8, ``--max-running-requests 64`` (``Inputs.running``)."""
+    gives through ``patches/sglang_sizing.py``: GLM-5, DeepSeek-V3.2 and the GLM-5.2-style
+    preset (21 indexer layers; the hook takes the shared layers' index-K back) FP8,
+    ``cpu_ratio`` 2 and 4, DP and TP8, ``--max-running-requests 64`` (``Inputs.running``)."""
     pytest.importorskip("sglang")
     budget = inputs().kv_bytes
-    out = subprocess.run([sys.executable, "-c", _HOOKED_SIZES, str(budget)], capture_output=True,
-                         text=True, timeout=300)
+    anchors = set(cap.indexer_layers(78, cap.SHARING["glm52"]))
+    types_ = json.dumps(["full" if la in anchors else "shared" for la in range(78)])
+    out = subprocess.run([sys.executable, "-c", _HOOKED_SIZES, str(budget), types_],
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
     res = json.loads(line[len("RESULT "):])
-    for model in ("glm5", "dsv32"):
+    for model in ("glm5", "dsv32", "glm52"):
         # the GPU budget alone binds, as in SGLang; 64 = the published --max-running-requests
         inp = inputs(model, "fp8", host_gb=10**6, running=64)
         B = cap.tp_buffer_rows(inp, 64)
         for c in (2, 4):
             dp, tp = res[f"{model}/dp/{c}"], res[f"{model}/tp/{c}"]
-            assert dp["groups"] == tp["groups"] == inp.groups == inp.layers
+            assert dp["groups"] == tp["groups"] == inp.groups == inp.anchors
+            assert inp.anchors == (21 if model == "glm52" else inp.layers)
             assert (dp["cell"], dp["fixed"]) == cap.ulacache_dp_charge(inp, c)
             assert dp["tokens"] == cap.ulacache_dp_pool(inp, c)
             assert tp["sized"] == {"buffer_slots": B, "tp_size": 8}
@@ -462,3 +470,37 @@ def test_gpu_bytes_split_by_component():
     # index-K for every logical token: (1 + cpu_ratio) rows per GPU slot
     assert dp["gpu_bytes_by_component"]["index_k"] == \
         dp["gpu_latent_slots"] * inp.idx * (1 + dp["ratio"])
+
+
+def test_shared_index_preset_charges_index_k_of_the_indexer_layers_only():
+    """glm52: GLM-5 with index_topk_freq 4, offset 3: 21 of 78 layers run the indexer. HiSparse
+    (SGLang 0.5.23 under HiSparse) is charged every layer's index-K, resident SGLang and
+    ulacache the indexer layers' only, and ulacache builds one selection group per indexer."""
+    layers = cap.indexer_layers(78, cap.SHARING["glm52"])
+    assert len(layers) == 21 and layers[:5] == [0, 1, 2, 6, 10] and layers[-1] == 74
+    g5, g52 = inputs("glm5"), inputs("glm52")
+    assert (g52.anchors, g52.groups, g52.idx, g52.idx_anchors) == (21, 21, 78 * 132, 21 * 132)
+    assert (g5.anchors, g5.idx_anchors) == (78, g5.idx)
+    for c in (1, 4):
+        cell = cap.ulacache_dp_charge(g52, c)[0]
+        assert cell == g52.lat + 21 * 132 * (1 + c) + cap._tables(21, 1 + c)[0]
+    assert cap.hisparse_pool(g52, 3) == cap.hisparse_pool(g5, 3)  # every layer, both
+    assert cap.resident_pool(g52) > cap.resident_pool(g5)
+    for kv in (26.85, 179.0):
+        a, b = inputs("glm5", kv_gb=kv), inputs("glm52", kv_gb=kv)
+        assert cap.capacity(b, "ulacache_dp").unique >= cap.capacity(a, "ulacache_dp").unique
+
+
+@pytest.mark.sglang  # transformers comes with the SGLang venv (CI stage 2)
+def test_the_sharing_rule_is_transformers_glm_moe_dsa():
+    """:func:`capacity.indexer_layers` is how transformers' ``glm_moe_dsa`` config derives
+    ``indexer_types`` from ``index_topk_freq`` and ``index_skip_topk_offset``."""
+    transformers = pytest.importorskip("transformers")
+    mapping = transformers.CONFIG_MAPPING
+    if "glm_moe_dsa" not in mapping:
+        pytest.skip("this transformers has no glm_moe_dsa config")
+    for n, freq, offset in ((78, 4, 3), (8, 4, 3), (20, 2, 1)):
+        types_ = mapping["glm_moe_dsa"](num_hidden_layers=n, index_topk_freq=freq,
+                                        index_skip_topk_offset=offset).indexer_types
+        assert [i for i, t in enumerate(types_) if t == "full"] == \
+            cap.indexer_layers(n, (freq, offset))

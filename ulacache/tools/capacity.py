@@ -103,11 +103,28 @@ PLATFORMS = {
 # FP8 checkpoints at ~1 B/parameter, sharded evenly over 8 GPUs (the same for DP- and TP-
 # attention; DP attention's replicated attention weights are ignored): GLM-5 744B, DeepSeek-V3.2
 # 685B (671B + 14B MTP).
-WEIGHTS_GB = {"glm5": 744 / 8, "dsv32": 685 / 8}
+# glm52: GLM-5's geometry and weights with GLM-5.2-style top-k sharing (SHARING)
+WEIGHTS_GB = {"glm5": 744 / 8, "dsv32": 685 / 8, "glm52": 744 / 8}
 MODELS = {"glm5": ("GLM-5", ModelGeometry.glm5), "dsv32": ("DeepSeek-V3.2",
-                                                           ModelGeometry.deepseek_v32)}
+                                                           ModelGeometry.deepseek_v32),
+          "glm52": ("GLM-5.2-style", ModelGeometry.glm5)}
 # max_position_embeddings (SGLang's context_len): sizes the request slots' per-token tables
-CONTEXT_LEN = {"glm5": 202752, "dsv32": 163840}
+CONTEXT_LEN = {"glm5": 202752, "dsv32": 163840, "glm52": 202752}
+SHARING = {"glm52": (4, 3)}
+"""Top-k sharing of a preset, ``(index_topk_freq, index_skip_topk_offset)`` as in its config:
+:func:`indexer_layers` runs the indexer; every other layer reuses the previous layer's top-k
+(SGLang's ``dsa_layer_skips_topk``). GLM-5.2-style, freq 4 and offset 3: 21 of 78 layers."""
+
+
+def indexer_layers(n_layers: int, sharing: tuple[int, int] | None = None) -> list[int]:
+    """The layers that run the indexer: all without ``sharing``; with ``(freq, offset)``, the
+    first ``offset`` layers and then every ``freq``-th (layer ``l >= offset`` iff
+    ``(l - offset) % freq == freq - 1``), the rule by which transformers' ``glm_moe_dsa``
+    config derives ``indexer_types`` (checked against it in ``tests/test_capacity.py``)."""
+    if sharing is None:
+        return list(range(n_layers))
+    freq, offset = sharing
+    return [la for la in range(n_layers) if la < offset or (la - offset) % freq == freq - 1]
 SYSTEMS = ("sglang_dp", "sglang_tp", "hisparse_dp", "hisparse_tp", "ulacache_dp",
            "ulacache_tp_repl", "ulacache_tp_shard")
 LABELS = {"sglang_dp": "SGLang DP8", "sglang_tp": "SGLang TP8", "hisparse_dp": "HiSparse DP8",
@@ -150,8 +167,25 @@ class Inputs:
 
     @cached_property
     def idx(self) -> int:
-        """Index-K bytes per token over all layers (132 B each; SGLang allocates every layer's)."""
+        """Index-K bytes per token over all layers (132 B each): what SGLang 0.5.23 allocates
+        and charges under HiSparse, shared-index layers included (``pool_configurator.py:
+        592-597``)."""
         return self.geometry.n_layers * self.geometry.index_key_bytes
+
+    @cached_property
+    def anchors(self) -> int:
+        """Layers that run the indexer: :data:`SHARING`'s pattern, else one per selection group
+        of the geometry (every layer for glm5 and dsv32)."""
+        sharing = SHARING.get(self.model)
+        return self.geometry.n_groups if sharing is None else \
+            len(indexer_layers(self.layers, sharing))
+
+    @cached_property
+    def idx_anchors(self) -> int:
+        """Index-K bytes per token of the indexer layers only: what resident SGLang (its
+        elision of shared layers' index-K, off under HiSparse only) and ulacache (the pool
+        passes the sharing flags, the sizing hook charges anchors) allocate."""
+        return self.anchors * self.geometry.index_key_bytes
 
     @cached_property
     def top_k(self) -> int:
@@ -163,10 +197,9 @@ class Inputs:
 
     @cached_property
     def groups(self) -> int:
-        """ulacache's selection groups: one per indexer (``layers_per_indexer`` 1 for both
-        presets, so one per layer: what ``layer_groups_from_skip`` builds with no top-k
-        sharing)."""
-        return self.geometry.n_groups
+        """ulacache's selection groups: one per indexer layer, each with the shared layers
+        after it (what ``layer_groups_from_skip`` builds from SGLang's pattern)."""
+        return self.anchors
 
 
 def _pages(n: float) -> int:
@@ -176,8 +209,9 @@ def _pages(n: float) -> int:
 
 # -- per-rank pools --------------------------------------------------------------------------
 def resident_pool(inp: Inputs) -> int:
-    """SGLang's resident pool per rank (tokens): ``D // (lat + idx)``."""
-    return _pages(inp.kv_bytes // (inp.lat + inp.idx))
+    """SGLang's resident pool per rank (tokens): ``D // (lat + idx)`` (index-K of the indexer
+    layers only: stock SGLang elides the shared layers' without HiSparse)."""
+    return _pages(inp.kv_bytes // (inp.lat + inp.idx_anchors))
 
 
 def hisparse_pool(inp: Inputs, x: int) -> int:
@@ -213,7 +247,7 @@ def ulacache_dp_charge(inp: Inputs, c: int, running: int | None = None) -> tuple
     logical token) + the tables per GPU slot; fixed: the tables' fixed bytes + the tail page +
     the coordinator's output rows for ``running`` requests (:func:`coordinator_outputs`)."""
     per, fixed = _tables(inp.groups, 1 + c)
-    return (inp.lat + inp.idx * (1 + c) + per,
+    return (inp.lat + inp.idx_anchors * (1 + c) + per,
             fixed + PAGE * inp.lat + coordinator_outputs(inp, running))
 
 
@@ -226,7 +260,7 @@ def ulacache_tp_charge(inp: Inputs, c: int, buffer_rows: int, shard_index: bool 
     ``running`` requests (:func:`coordinator_outputs`)."""
     P = inp.gpus
     per, fixed = _tables(inp.groups, 1 + c, P, buffer_rows, inp.layers)
-    index = inp.idx * (1 + c)
+    index = inp.idx_anchors * (1 + c)
     cell = math.ceil(inp.lat / P) + (math.ceil(index / P) if shard_index else index) + per
     return cell, (fixed + (buffer_rows + 2 * PAGE) * inp.lat
                   + coordinator_outputs(inp, running))
@@ -340,8 +374,9 @@ def capacity(inp: Inputs, system: str) -> Point:
     if system in ("sglang_dp", "sglang_tp"):
         n = resident_pool(inp)
         unique = P * n if system == "sglang_dp" else n  # TP: every rank holds the same tokens
-        return Point(None, unique, P * n, 0, P * n * (inp.lat + inp.idx), 0, n,
-                     _split(P, n, inp.lat, inp.idx, 0, 0), inp.lat + inp.idx)
+        idx = inp.idx_anchors
+        return Point(None, unique, P * n, 0, P * n * (inp.lat + idx), 0, n,
+                     _split(P, n, inp.lat, idx, 0, 0), inp.lat + idx)
     if system in ("hisparse_dp", "hisparse_tp"):
         x = _pick(1, lambda r: r * hisparse_pool(inp, r),
                   lambda r: hisparse_pool(inp, r), inp.min_gpu_tokens)
@@ -358,7 +393,7 @@ def capacity(inp: Inputs, system: str) -> Point:
         per = _tables(inp.groups, 1 + c)[0]
         return Point(c, P * (1 + c) * g, P * g, P * c * g, P * (g * cell + fixed),
                      P * c * g * inp.lat, g,
-                     _split(P, g, inp.lat, inp.idx * (1 + c), per, fixed), cell, per)
+                     _split(P, g, inp.lat, inp.idx_anchors * (1 + c), per, fixed), cell, per)
     if system in ("ulacache_tp_repl", "ulacache_tp_shard"):
         shard = system == "ulacache_tp_shard"
         b = tp_buffer_rows(inp, inp.running)
@@ -569,7 +604,11 @@ def run(*, platforms: str = "h200,b300", models: str = "glm5,dsv32",
         "latent_row_B": {"fp8": 656, "bf16": 1152},
         "ulacache_tables": {"source": "ulacache.sizing.table_bytes_per_slot (the SGLang sizing "
                             "hook's charge)", "n_buckets": ULA.n_buckets, "policy": ULA.policy,
-                            "selection_groups": "one per layer (no top-k sharing modelled)"},
+                            "selection_groups": "one per indexer layer (every layer for glm5 "
+                            "and dsv32; 21 for glm52, SGLang's dsa_layer_skips_topk pattern "
+                            "of index_topk_freq 4, offset 3)"},
+        "index_k": "HiSparse: every layer (SGLang 0.5.23 under HiSparse); resident SGLang and "
+                   "ulacache: the indexer layers only",
         "ulacache_coordinator_outputs": {
             "source": "ulacache.sizing.coordinator_output_bytes (charged by the sizing hook)",
             "request_slots": "running + 1 in the capacity columns, admitted R + 1 per worker "
