@@ -122,8 +122,9 @@ def plot(res: dict, path: Path) -> bool:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--platforms", default="h200,b300", help="comma-separated: h200, b300")
-    ap.add_argument("--models", default="glm5,dsv32", help="comma-separated: glm5, dsv32, glm52 (GLM-5 with GLM-5.2-style "
-                    "top-k sharing: index_topk_freq 4, 21 indexer layers of 78)")
+    ap.add_argument("--models", default="glm5,dsv32",
+                    help="comma-separated: glm5, dsv32, glm52 (GLM-5 with GLM-5.2-style top-k "
+                    "sharing: index_topk_freq 4, 21 indexer layers of 78)")
     ap.add_argument("--layouts", default="fp8,bf16", help="latent rows: fp8 (656 B), bf16")
     ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)),
                     type=lambda s: [int(x) for x in s.split(",")],
