@@ -9,7 +9,8 @@ sum is rounded up once) plus, per replacement policy, one superblock of words pe
 and one entry of each count level (``rows x 204`` B; PB-LRU's word rounding is bounded from
 above), plus the CUDA peer pointer tables in TP mode (not allocated on CPU). Forgetting a table
 (the claim table is ``8 x ratio`` B per slot) or sizing one by ``ratio`` instead of ``ratio -
-1`` (``16`` B per slot per group) breaks one bound or the other.
+1`` (the CPU free stack: ``4`` B per slot per group) breaks one bound or the other. From 5,000
+slots up the bound is within 1% of the allocation (issue 21: exact, or a gap <= 1%).
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ def test_dp_formula_bounds_the_allocated_tables(G, ratio, nb, L, lpg, policy, pa
     extra = 128 * 28 + 16 if fused else 0  # the scratch's block rounding, bounded from above
     assert real <= bound <= real + slack(G, cfg.n_groups, nb, policy, extra), (bound, real,
                                                                               parts)
+    if G >= 5000:  # the constant slack (policy rounding) is amortised: within 1%
+        assert bound - real <= 0.01 * real, (bound, real)
     # the same function with the sizes as constants gives the same bound (no per-slot part)
     assert table_bytes(cfg.n_groups, n_logical=ratio * G + PAGE, gpu_slots=G,
                        cpu_slots=(ratio - 1) * G, n_buckets=nb, policy=policy,
