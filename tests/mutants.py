@@ -39,11 +39,11 @@ TESTS = ["tests/test_core.py", "tests/test_stateful.py", "tests/test_pblru.py",
          "tests/test_boundary.py"]
 G, P, L = "ulacache/group.py", "ulacache/pblru.py", "ulacache/pools.py"
 MUTANTS = [  # (file, original, mutant, what it models)
-    (G, "self.loc.index_put_((torch.where(ok, flat, self.n_logical),), victim.to(MAP_DTYPE))",
-     "self.loc.index_put_((torch.where(ok, flat, self.n_logical - 1),), victim.to(MAP_DTYPE))",
+    (G, "self._map(torch.where(ok, flat, self.n_logical), victim)",
+     "self._map(torch.where(ok, flat, self.n_logical - 1), victim)",
      "access: masked writes land on the last address"),
-    (G, "self.loc.index_put_((torch.where(ok, flat, self.n_logical),), slot.to(MAP_DTYPE))",
-     "self.loc.index_put_((torch.where(ok, flat, self.n_logical - 1),), slot.to(MAP_DTYPE))",
+    (G, "self._map(torch.where(ok, flat, self.n_logical), slot)",
+     "self._map(torch.where(ok, flat, self.n_logical - 1), slot)",
      "place: masked writes land on the last address"),
     (G, "inrange = (flat >= 0) & (flat < self.n_logical)",
      "inrange = (flat >= 0) & (flat <= self.n_logical)", "the scratch entry counted in range"),

@@ -395,6 +395,23 @@ class SelectionGroup:
         """``int64`` shadow entries of GPU ``slots`` (``gpu_slots``: the scratch entry)."""
         return self.shadow[slots].to(torch.int64)
 
+    # The int32 tables (MAP_DTYPE) are read widened and written narrowed in one place each.
+    def _slots_of(self, addrs: torch.Tensor) -> torch.Tensor:
+        """``int64`` mapping entries of ``addrs`` (``n_logical``: the scratch entry)."""
+        return self.loc[addrs].long()
+
+    def _map(self, addrs: torch.Tensor, slots: torch.Tensor) -> None:
+        """``loc[addrs] = slots`` (masked writes name the scratch entry ``n_logical``)."""
+        self.loc.index_put_((addrs,), slots.to(MAP_DTYPE))
+
+    def _owners_of(self, slots: torch.Tensor) -> torch.Tensor:
+        """``int64`` owners of GPU ``slots`` (``gpu_slots``: the scratch entry)."""
+        return self.gpu_owner[slots].long()
+
+    def _own(self, slots: torch.Tensor, addrs: torch.Tensor) -> None:
+        """``gpu_owner[slots] = addrs`` (masked writes name the scratch entry ``gpu_slots``)."""
+        self.gpu_owner.index_put_((slots,), addrs.to(MAP_DTYPE))
+
     def _li(self, layer: int) -> int:
         if isinstance(layer, bool) or not isinstance(layer, int) or layer not in self.layer_index:
             raise ShapeError(f"layer {layer!r} is not in this group {self.layers}")
@@ -444,7 +461,7 @@ class SelectionGroup:
         cand = self.policy.victims(flat.numel())
         slot = torch.where(fresh, cand[rank.clamp(min=0)], -1)
         vs = torch.where(slot >= 0, slot, G)
-        owner = self.gpu_owner[vs].long()
+        owner = self._owners_of(vs)
         had = self._shadow_of(vs)
         occupied = (slot >= 0) & (owner >= 0)
         remap = occupied & (had >= 0)  # evicted onto its shadow: no copy, no free slot used
@@ -456,16 +473,14 @@ class SelectionGroup:
         gather_rows(self.pools.gpu, torch.where(spill, slot, -1), self.pools.cpu, cslot)
         # ... then the mapping
         evicted = spill | remap
-        self.loc.index_put_((torch.where(evicted, owner, self.n_logical),),
-                            torch.where(spill, G + cslot, torch.where(remap, G + had, -1))
-                            .to(MAP_DTYPE))
+        self._map(torch.where(evicted, owner, self.n_logical),
+                  torch.where(spill, G + cslot, torch.where(remap, G + had, -1)))
         self._settle_stack(took, took & remap, popped)
         slot = torch.where(ok, slot, -1)
-        self.gpu_owner.index_put_((torch.where(ok, slot, G),),
-                                  torch.where(ok, flat, -1).to(MAP_DTYPE))
+        self._own(torch.where(ok, slot, G), torch.where(ok, flat, -1))
         self.shadow.index_put_((torch.where(ok, slot, G),),
                                torch.full_like(slot, BORN, dtype=torch.int32))
-        self.loc.index_put_((torch.where(ok, flat, self.n_logical),), slot.to(MAP_DTYPE))
+        self._map(torch.where(ok, flat, self.n_logical), slot)
         self.policy.assign(slot)
         self._count(placed=ok.sum(), spills=spill.sum(), place_overflow=(fresh & ~ok).sum(),
                     invalid=bad.sum(), remaps=remap.sum(),
@@ -635,7 +650,7 @@ class SelectionGroup:
         if bool(((flat != -1) & ~inrange).any()):
             raise AddressError(f"{what}: addrs out of range [0, {self.n_logical}) (or negative "
                                "other than the -1 padding)")
-        phys = torch.where(inrange, self.loc[safe].long(), -1)
+        phys = torch.where(inrange, self._slots_of(safe), -1)
         if bool((inrange & (phys < 0)).any()):
             raise AddressError(f"{what}: addrs not live (never placed, or released)")
         if distinct and bool((inrange & ~self._first(safe, inrange)).any()):
@@ -676,7 +691,7 @@ class SelectionGroup:
         flat = addrs.reshape(-1).to(torch.int64)
         G = self.gpu_slots
         inrange, safe = self._range(flat)
-        phys = self.loc[safe].long()
+        phys = self._slots_of(safe)
         valid = inrange & (phys >= 0)
         bad = (flat != -1) & ~valid
         checking = self._checking()
@@ -697,7 +712,7 @@ class SelectionGroup:
         ok = victim >= 0
         cslot = torch.where(ok, phys - G, -1)
         vs = torch.where(ok, victim, G)
-        owner = self.gpu_owner[vs].long()
+        owner = self._owners_of(vs)
         owned = ok & (owner >= 0)
         had = self._shadow_of(vs)
         remap = owned & (had >= 0)  # the victim's shadow becomes its CPU copy: no copy out
@@ -719,11 +734,10 @@ class SelectionGroup:
         gather_rows(self.pools.cpu, torch.where(ok & ~swap, cslot, -1), self.pools.gpu,
                     torch.where(ok & ~swap, victim, -1))
         # 2. mapping
-        self.loc.index_put_((torch.where(ok, flat, self.n_logical),), victim.to(MAP_DTYPE))
-        self.loc.index_put_((torch.where(owned, owner, self.n_logical),),
-                            torch.where(copy_out, G + dst, torch.where(remap, G + had, -1))
-                            .to(MAP_DTYPE))
-        self.gpu_owner.index_put_((vs,), torch.where(ok, flat, -1).to(MAP_DTYPE))
+        self._map(torch.where(ok, flat, self.n_logical), victim)
+        self._map(torch.where(owned, owner, self.n_logical),
+                  torch.where(copy_out, G + dst, torch.where(remap, G + had, -1)))
+        self._own(vs, torch.where(ok, flat, -1))
         self.shadow.index_put_((vs,), torch.where(keep, cslot, WAS_ON_CPU).to(torch.int32))
         if self.shadows:
             self._settle_stack(took, took & remap, popped)
@@ -734,7 +748,7 @@ class SelectionGroup:
                     writebacks=copy_out.sum(), access_overflow=(miss & ~ok).sum(),
                     invalid=bad.sum(), remaps=remap.sum(), shadowed=keep.sum(),
                     rewrites=(copy_out & (had == WAS_ON_CPU)).sum())
-        rows = self.loc[safe].long()
+        rows = self._slots_of(safe)
         rows = torch.where(valid & (rows >= 0) & (rows < G), rows + self.row_base, -1) \
             .view(addrs.shape)
         if out is None:
@@ -761,7 +775,7 @@ class SelectionGroup:
         selection stops all ranks alike."""
         flat = self._index_tensor(addrs, "access: addrs", dims=2)
         inrange, safe = self._range(flat)
-        phys = self.loc[safe].long()
+        phys = self._slots_of(safe)
         valid = inrange & (phys >= 0)
         if bool(((flat != -1) & ~valid).any()):
             raise AddressError("access: addrs hold an address that is out of range, not live, "
@@ -795,7 +809,7 @@ class SelectionGroup:
     def _translate_torch(self, addrs: torch.Tensor) -> torch.Tensor:
         flat = self._index_tensor(addrs, "translate: addrs")
         _, safe = self._range(flat)
-        phys = self.loc[safe].long()
+        phys = self._slots_of(safe)
         return torch.where((phys >= 0) & (phys < self.gpu_slots), phys + self.row_base, -1) \
             .to(torch.int32).view(addrs.shape)
 
@@ -826,7 +840,7 @@ class SelectionGroup:
     def _release_torch(self, addrs: torch.Tensor) -> None:
         """:meth:`release` of at most :attr:`max_call` entries, the torch reference."""
         flat, inrange, safe, first, bad = self._release_plan(addrs, self._checking())
-        phys = self.loc[safe].long()
+        phys = self._slots_of(safe)
         mapped = inrange & (phys >= 0)
         drop = first & mapped
         G = self.gpu_slots
@@ -836,10 +850,8 @@ class SelectionGroup:
         had = self._shadow_of(torch.where(on_gpu, phys, G))
         shadowed = on_gpu & (had >= 0)  # the row's shadow is freed with it
         cslot = torch.where(on_cpu, phys - G, torch.where(shadowed, had, -1))
-        self.loc.index_put_((torch.where(drop, flat, self.n_logical),),
-                            torch.full_like(flat, -1, dtype=MAP_DTYPE))
-        self.gpu_owner.index_put_((torch.where(on_gpu, gslot, G),),
-                                  torch.full_like(gslot, -1, dtype=MAP_DTYPE))
+        self._map(torch.where(drop, flat, self.n_logical), torch.full_like(flat, -1))
+        self._own(torch.where(on_gpu, gslot, G), torch.full_like(gslot, -1))
         self.shadow.index_put_((torch.where(on_gpu, gslot, G),),
                                torch.full_like(gslot, BORN, dtype=torch.int32))
         self.policy.release(gslot)

@@ -114,6 +114,12 @@ SHARING = {"glm52": (4, 3)}
 """Top-k sharing of a preset, ``(index_topk_freq, index_skip_topk_offset)`` as in its config:
 :func:`indexer_layers` runs the indexer; every other layer reuses the previous layer's top-k
 (SGLang's ``dsa_layer_skips_topk``). GLM-5.2-style, freq 4 and offset 3: 21 of 78 layers."""
+SYSTEMS = ("sglang_dp", "sglang_tp", "hisparse_dp", "hisparse_tp", "ulacache_dp",
+           "ulacache_tp_repl", "ulacache_tp_shard")
+LABELS = {"sglang_dp": "SGLang DP8", "sglang_tp": "SGLang TP8", "hisparse_dp": "HiSparse DP8",
+          "hisparse_tp": "HiSparse TP8", "ulacache_dp": "ulacache DP8",
+          "ulacache_tp_repl": "ulacache TP8 (idx repl)",
+          "ulacache_tp_shard": "ulacache TP8 (idx shard)"}
 
 
 def indexer_layers(n_layers: int, sharing: tuple[int, int] | None = None) -> list[int]:
@@ -125,12 +131,6 @@ def indexer_layers(n_layers: int, sharing: tuple[int, int] | None = None) -> lis
         return list(range(n_layers))
     freq, offset = sharing
     return [la for la in range(n_layers) if la < offset or (la - offset) % freq == freq - 1]
-SYSTEMS = ("sglang_dp", "sglang_tp", "hisparse_dp", "hisparse_tp", "ulacache_dp",
-           "ulacache_tp_repl", "ulacache_tp_shard")
-LABELS = {"sglang_dp": "SGLang DP8", "sglang_tp": "SGLang TP8", "hisparse_dp": "HiSparse DP8",
-          "hisparse_tp": "HiSparse TP8", "ulacache_dp": "ulacache DP8",
-          "ulacache_tp_repl": "ulacache TP8 (idx repl)",
-          "ulacache_tp_shard": "ulacache TP8 (idx shard)"}
 
 
 @dataclass(frozen=True)
