@@ -6,8 +6,9 @@ SGLang seam chooses the class once, at construction, and from then on calls only
 so the two real differences between the modes live in the core, where they are unit-tested:
 
 * what a round can hold: :meth:`Core.prefill_fits` (DP: the batch fits the GPU pool; TP: each
-  rank's own share its pool, its peers' share its buffer) and :meth:`Core.check_step_capacity`
-  (one decode step's selections);
+  rank's own share its pool, its peers' share its buffer), :meth:`Core.round_fits` (the same
+  question of a set of selected addresses: a prefill split into rounds) and
+  :meth:`Core.check_step_capacity` (one decode step's selections);
 * cross-rank agreement: TP's mutating calls are collectives that reach the same verdict on
   every rank (see :mod:`ulacache.tp`), and :meth:`Core.agree` lets the engine agree on its own
   yes/no (e.g. whether its logical allocation succeeded); DP's are local.
@@ -44,6 +45,8 @@ class Core(Protocol):
     def set_stream(self, stream) -> None: ...
 
     def prefill_fits(self, seq_lens: list[int]) -> bool: ...
+
+    def round_fits(self, addrs: torch.Tensor) -> bool: ...
 
     def check_step_capacity(self, requests: int, steps: int, top_k: int) -> None: ...
 

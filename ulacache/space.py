@@ -188,6 +188,14 @@ class AddressSpace:
         them: their sum fits the GPU pool. Host-side, from lengths alone."""
         return sum(seq_lens) <= self.config.gpu_slots
 
+    def round_fits(self, addrs: torch.Tensor) -> bool:
+        """Whether the distinct addresses of ``addrs`` (any shape, ``-1`` padding) can all be
+        GPU-resident in one fresh round: at most ``gpu_slots`` of them. Host-side
+        (synchronises): the question :func:`ulacache.prefill.round_spans` asks to split a
+        prefill's selections into rounds."""
+        flat = self.checked_addresses(addrs, "round_fits: addrs").reshape(-1)
+        return flat[flat >= 0].unique().numel() <= self.config.gpu_slots
+
     def check_step_capacity(self, requests: int, steps: int, top_k: int) -> None:
         """Raise :class:`ConfigError` unless one decode step's selections, ``requests x steps``
         rows of ``top_k`` plus the new token each, fit the GPU pool."""

@@ -330,6 +330,17 @@ class TPAddressSpace:
         own = owned_counts(seq_lens, self.P)
         return max(own) <= self.gpu_slots and sum(seq_lens) - min(own) <= self.buffer_slots
 
+    def round_fits(self, addrs: torch.Tensor) -> bool:
+        """Whether the distinct addresses of ``addrs`` (``-1`` padding) can all be served in
+        one fresh round on every rank: each rank's own ones fit its GPU pool, its peers' ones
+        its buffer. The same answer on every rank (every rank passes the same ``addrs``), so
+        no collective; host-side."""
+        flat = self.local.checked_addresses(addrs, "round_fits: addrs").reshape(-1)
+        distinct = flat[flat >= 0].unique()
+        own = torch.bincount(owner_rank(distinct, self.P), minlength=self.P)
+        return int(own.max()) <= self.gpu_slots and \
+            distinct.numel() - int(own.min()) <= self.buffer_slots
+
     def check_step_capacity(self, requests: int, steps: int, top_k: int) -> None:
         """Raise :class:`ConfigError` unless the buffer holds one decode step's selections and
         new tokens (all may be peers' rows) and the own pool at least its balanced ``1/P``

@@ -9,7 +9,9 @@ step by step against a fully resident run of the same model.
   spilling PB-LRU victims to the CPU tier when the GPU pool is full;
 - the group's first layer turns top-k positions into addresses and runs the sparse access
   (promotions and swaps); the other layers of the group reuse that plan and only read their own
-  rows from the GPU pool at the returned physical rows.
+  rows from the GPU pool at the returned physical rows;
+- a prefill chunk whose selections outgrow one round is served in rounds of query spans
+  (:mod:`ulacache.prefill`), so a request may be many times longer than the GPU pool.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from ulacache.cache import UlaCache
 from ulacache.config import UlaCacheConfig
 from ulacache.errors import ShapeError
+from ulacache.prefill import round_spans
 
 from .refmodel import DecodeOutput, DSAMLAModel, IndexShard, ModelGeometry, ResidentStore
 
@@ -33,8 +36,11 @@ class UlaCacheStore:
 
     def __init__(self, cache: UlaCache):
         self.cache = cache
-        self._plan: dict[int, torch.Tensor] = {}  # group -> int32 [n, k] rows of this step
+        # group -> (round, int32 [n, k] rows, None) planned this step, or
+        # (None, int64 [n, k] addresses, spans) served in rounds by every layer of the group
+        self._plan: dict[int, tuple] = {}
         self.steps = 0
+        self.prefill_rounds = 0  # rounds that sub-batched selections started (all layers)
 
     def begin_step(self) -> None:
         self.cache.space.begin_round()
@@ -57,23 +63,58 @@ class UlaCacheStore:
         c.space.write(layer, c.addresses(req, pos), rows)
 
     def read_selected(self, layer: int, reqs: torch.Tensor, topk: torch.Tensor) -> torch.Tensor:
-        """``uint8 [n, k, row_bytes]`` rows at top-k positions (zeros at ``-1`` padding)."""
-        c, space = self.cache, self.cache.space
+        """``uint8 [n, k, row_bytes]`` rows at top-k positions (zeros at ``-1`` padding).
+
+        When the step's selections fit one round (decode; a prefill chunk whose selections the
+        pool holds) the group's anchor plans once and every layer of the group reads that plan.
+        Otherwise (a prefill whose selections outgrow the pool) every layer of the group serves
+        its queries in rounds (:func:`ulacache.prefill.round_spans`): a fresh round and an
+        access per span of queries, reading only that span's rows."""
+        space = self.cache.space
         gi = space.layer_to_group[layer]
         group = space.groups[gi]
-        if layer == group.layers[0] or gi not in self._plan:
-            addrs = torch.full_like(topk, -1, dtype=torch.int64)
-            for r in reqs.unique().tolist():
-                m = reqs == r
-                addrs[m] = c.addresses(r, topk[m].reshape(-1)).view(-1, topk.shape[1])
-            self._plan[gi] = space.plan(gi, addrs)  # once per group per step
-        rows = self._plan[gi]
+        entry = self._plan.get(gi)
+        if layer == group.layers[0] or entry is None or \
+                (entry[2] is None and entry[0] != space.round_serial):
+            addrs = self._addresses(reqs, topk)
+            spans = round_spans(space, addrs)
+            if len(spans) == 1:  # once per group per step
+                entry = (space.round_serial, space.plan(gi, addrs), None)
+            else:
+                entry = (None, addrs, spans)
+            self._plan[gi] = entry
+        if entry[2] is not None:
+            return self._read_in_rounds(layer, gi, entry[1], entry[2])
+        rows = entry[1]
         if rows.shape != topk.shape:
             raise ShapeError(f"layer {layer} reads {tuple(topk.shape)}, its group's plan is "
                              f"{tuple(rows.shape)}")
         space.load(layer)  # TP: this layer's bytes of peers' rows into the buffer
-        got = space.attn_rows(layer)[rows.clamp(min=0).long()]
+        return self._rows(layer, rows)
+
+    def _addresses(self, reqs: torch.Tensor, topk: torch.Tensor) -> torch.Tensor:
+        """``int64 [n, k]`` logical addresses of the top-k positions (``-1`` stays)."""
+        addrs = torch.full_like(topk, -1, dtype=torch.int64)
+        for r in reqs.unique().tolist():
+            m = reqs == r
+            addrs[m] = self.cache.addresses(r, topk[m].reshape(-1)).view(-1, topk.shape[1])
+        return addrs
+
+    def _rows(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        got = self.cache.space.attn_rows(layer)[rows.clamp(min=0).long()]
         return torch.where((rows >= 0).unsqueeze(-1), got, torch.zeros_like(got))
+
+    def _read_in_rounds(self, layer: int, gi: int, addrs: torch.Tensor,
+                        spans: list[tuple[int, int]]) -> torch.Tensor:
+        """This layer's rows of ``addrs`` served span by span, each span in a fresh round (its
+        access loads every layer of the group: TP's plan contract)."""
+        space = self.cache.space
+        out = torch.empty(*addrs.shape, space.attn_rows(layer).shape[1], dtype=torch.uint8)
+        for a, b in spans:
+            space.begin_round()
+            out[a:b] = self._rows(layer, space.access(gi, addrs[a:b]))
+        self.prefill_rounds += len(spans)
+        return out
 
     def free(self, req: int) -> None:
         self.cache.free(req)
@@ -98,6 +139,11 @@ class EqualityReport:
     index_keys_full: int = 0
     mismatches: list[tuple[int, str]] = field(default_factory=list)
     hit_rate: float = 0.0
+    # the prefill phase: rounds its sub-batched selections took (0: every chunk fit one
+    # round) and its counters summed over groups (promotions, spills, ...; bytes = rows x
+    # row_bytes x layers of the group)
+    prefill_rounds: int = 0
+    prefill_moved: dict[str, int] = field(default_factory=dict)
 
     @property
     def identical(self) -> bool:
@@ -112,10 +158,25 @@ def _compare(step: int, a: DecodeOutput, b: DecodeOutput, out: list[tuple[int, s
         out.append((step, "chosen tokens"))
 
 
+def _group_sums(stats: dict[str, int]) -> dict[str, int]:
+    """Counters of :meth:`UlaCache.stats` summed over groups, by counter name."""
+    out: dict[str, int] = {}
+    for k, v in stats.items():
+        if k.startswith("group"):
+            name = k.split("_", 1)[1]
+            out[name] = out.get(name, 0) + v
+    return out
+
+
 def run_equality(geom: ModelGeometry, config: UlaCacheConfig, prompt_lens: list[int],
-                 n_steps: int, seed: int = 0, peers=None) -> EqualityReport:
+                 n_steps: int, seed: int = 0, peers=None,
+                 prefill_chunk: int | None = None) -> EqualityReport:
     """Prefill ``len(prompt_lens)`` requests, decode ``n_steps`` greedy steps as one batch, with
     ulacache and fully resident; compare attention outputs, logits, top-k and chosen tokens.
+
+    ``prefill_chunk``: prefill each prompt in chunks of at most this many tokens (both runs,
+    so both compute the same batches), as an engine's chunked prefill does; a chunk whose
+    selections outgrow the GPU pool is served in rounds (:mod:`ulacache.prefill`).
 
     Tokens are chosen by the resident run (greedy) and fed to both, so a divergence is reported
     at the step where it happens instead of cascading.
@@ -138,14 +199,21 @@ def run_equality(geom: ModelGeometry, config: UlaCacheConfig, prompt_lens: list[
     report = EqualityReport(requests=len(prompt_lens), gpu_slots=config.gpu_slots)
     reqs = list(range(len(prompt_lens)))
     tokens = []
+    cache = ula_store.cache
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise ShapeError(f"prefill_chunk must be a positive token count, got {prefill_chunk}")
+    before = _group_sums(cache.stats())
     for r, n in zip(reqs, prompt_lens):
         prompt = torch.randint(0, geom.vocab, (n,), generator=gen)
-        a = ref_model.prefill(r, prompt, ref_store)
-        b = ula_model.prefill(r, prompt, ula_store)
-        if not torch.equal(a, b):
-            report.mismatches.append((-1, f"prefill logits of request {r}"))
+        for i, chunk in enumerate(prompt.split(prefill_chunk or max(1, n))):
+            a = ref_model.prefill(r, chunk, ref_store)
+            b = ula_model.prefill(r, chunk, ula_store)
+            if not torch.equal(a, b):
+                report.mismatches.append((-1, f"prefill logits of request {r}, chunk {i}"))
         tokens.append(int(a.argmax()))
-    cache = ula_store.cache
+    after = _group_sums(cache.stats())
+    report.prefill_moved = {k: after[k] - before.get(k, 0) for k in after}
+    report.prefill_rounds = ula_store.prefill_rounds
     for step in range(n_steps):
         before = cache.stats()
         tok = torch.tensor(tokens)
