@@ -6,7 +6,10 @@
   resident run: DP with checks on and off, TP over P = 2 and 4 ranks (sharded indexer);
 - the prefill is served in rounds and moves rows both ways (counted in the report);
 - :func:`round_spans` covers every query once, in order, each span fitting a round and
-  maximal; a pool smaller than one query's selections is refused.
+  maximal; a pool smaller than one query's selections is refused;
+- the same runs with a prefill stage (:class:`PrefillStage`, the SGLang seam's DP prefill):
+  bit-identical, nothing promoted during the prefill, fewer rows moved than rounds; a stage
+  gathers exactly the rows ``read`` returns and refuses a table it cannot hold, unchanged.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from ulacache.errors import CapacityExhausted, ShapeError
 from ulacache.ipc import run_ranks
 from ulacache.oracle.driver import run_equality
 from ulacache.oracle.refmodel import ModelGeometry
-from ulacache.prefill import round_spans
+from ulacache.prefill import PrefillStage, round_spans
 from ulacache.space import AddressSpace
 from ulacache.tp import TPAddressSpace
 
@@ -52,6 +55,18 @@ def test_dp_prefill_longer_than_pool_equals_resident(layers_per_indexer, validat
     rep = run_equality(geom, cfg, PROMPTS, n_steps=8, prefill_chunk=CHUNK)
     assert_long_prefill(rep, cfg.gpu_slots, max(PROMPTS))
     assert rep.live_history == sum(PROMPTS) + 2 * 8
+    staged = run_equality(geom, cfg, PROMPTS, n_steps=8, prefill_chunk=CHUNK,
+                          prefill_stage=sum(PROMPTS))
+    assert_staged(staged, rep)
+
+
+def assert_staged(staged, rounds) -> None:
+    """A staged prefill: identical, no promotion and no round of its own, its CPU rows moved
+    once per layer: fewer than the rounds' promotions."""
+    assert staged.identical, staged.mismatches[:5]
+    assert staged.prefill_rounds == 0 and staged.prefill_moved["promotions"] == 0
+    assert 0 < staged.prefill_staged_from_cpu < staged.prefill_staged_rows
+    assert staged.prefill_staged_from_cpu < rounds.prefill_moved["promotions"]
 
 
 @pytest.mark.parametrize("P,layers_per_indexer,pool", [(2, 1, 40), (4, 2, 24)])
@@ -66,6 +81,12 @@ def test_tp_prefill_longer_than_pool_equals_resident(P, layers_per_indexer, pool
     for rep in reports:
         assert_long_prefill(rep, cfg.gpu_slots, max(PROMPTS) // P)
         assert rep.moved_per_step["peer_fetches"] and rep.prefill_moved["peer_fetches"] > 0
+    if P == 2:  # the stage over TP (the reference model's all-gather; not an SGLang path)
+        staged = run_ranks(P, lambda peers: run_equality(
+            geom, cfg, PROMPTS, 4, peers=peers, prefill_chunk=CHUNK,
+            prefill_stage=sum(PROMPTS)))
+        for rep, rounds in zip(staged, reports):
+            assert_staged(rep, rounds)
     # the sharded indexer: each rank held its own positions' index keys, about 1/P of them
     full = reports[0].index_keys_full
     assert sum(r.index_keys_held for r in reports) == full
@@ -139,3 +160,42 @@ def test_tp_round_fits_counts_each_ranks_own_rows_and_its_buffer():
 
         want = {name: c[column] for name, c in cases.items()}
         assert run_ranks(2, body) == [want, want], buffer
+
+
+def test_stage_gathers_what_read_returns_and_refuses_unchanged():
+    geom = ModelGeometry.tiny(layout="fp8")
+    cfg = dp_config(geom, gpu_slots=64, cpu_slots=256)
+    space = AddressSpace(cfg, n_logical=512, layer_groups=geom.selection_groups())
+    gen = torch.Generator().manual_seed(3)
+    addrs = torch.randperm(512, generator=gen)[:300]
+    space.begin_round()
+    space.place(addrs[:64])  # then 236 more: the first ones spill to the CPU tier
+    for piece in addrs[64:].split(59):
+        space.begin_round()
+        space.place(piece)
+    for layer in range(geom.n_layers):
+        rows = torch.randint(0, 256, (300, geom.row_bytes), dtype=torch.uint8, generator=gen)
+        space.write(layer, addrs, rows)
+    stage = PrefillStage(space, 200, row_base=3)
+    table = addrs[torch.randint(0, 150, (40, 16), generator=gen)]
+    table[0, :4] = -1
+    table[1, :2] = torch.tensor([0, 1])  # below first=2: padding too (an engine's sink page)
+    table_before = table.clone()
+    before = space.counters()
+    got = stage.stage(2, table, first=2)
+    assert got.shape == table.shape and bool((got[0, :4] == -1).all())
+    keep = table >= 2
+    assert bool((got[~keep] == -1).all()) and bool((got[keep] >= 3).all())
+    want = space.read(2, table[keep])
+    assert torch.equal(stage.storage[0][got[keep]], want)
+    assert stage.staged_rows == table[keep].unique().numel() and stage.staged_from_cpu > 0
+    assert space.counters() == before  # nothing promoted, evicted or counted
+    space.check_integrity()
+    with pytest.raises(CapacityExhausted, match="stage holds 200"):
+        stage.stage(2, addrs[:201].view(1, -1))
+    assert stage.staged_rows == table[keep].unique().numel() and space.counters() == before
+    assert torch.equal(table, table_before)
+    with pytest.raises(ShapeError):
+        PrefillStage(space, 0)
+    with pytest.raises(ShapeError):
+        PrefillStage(space, 10, storage=torch.zeros((1, 5, geom.row_bytes), dtype=torch.uint8))

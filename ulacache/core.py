@@ -69,6 +69,9 @@ class Core(Protocol):
 
     def load(self, layer: int) -> None: ...
 
+    def gather(self, layer: int, addrs: torch.Tensor, dst: torch.Tensor,
+               dst_rows: torch.Tensor) -> torch.Tensor: ...
+
     def access(self, group: int, addrs: torch.Tensor, out: torch.Tensor | None = None
                ) -> torch.Tensor: ...
 

@@ -644,6 +644,25 @@ class SelectionGroup:
         cpu = self.pools.cpu.index_select(1, cidx).to(self.device)
         return torch.where(on_gpu.view(1, -1, 1), gpu, cpu)
 
+    def gather(self, layer: int, addrs: torch.Tensor, dst: torch.Tensor,
+               dst_rows: torch.Tensor) -> torch.Tensor:
+        """Copy one ``layer``'s rows of live ``addrs int [n]`` (``-1`` skipped) into
+        ``dst uint8 [1, R + 1, row_bytes]`` at ``dst_rows int64 [n]`` (last row: scratch), from
+        whichever tier holds each (GPU rows device to device, CPU rows host to device): no
+        promotion, no eviction, nothing of the group changes. Returns a 0-dim count of the
+        rows read from the CPU tier. Host-checked (a prefill's staging)."""
+        li = self._li(layer)
+        flat = self._index_tensor(addrs, "gather: addrs")
+        phys = self._resolve(flat, "gather", distinct=False)
+        G = self.gpu_slots
+        on_gpu, on_cpu = (phys >= 0) & (phys < G), phys >= G
+        dst_rows = dst_rows.to(self.device, torch.int64)
+        gather_rows(self.pools.gpu[li: li + 1], torch.where(on_gpu, phys, -1), dst,
+                    torch.where(on_gpu, dst_rows, -1))
+        gather_rows(self.pools.cpu[li: li + 1], torch.where(on_cpu, phys - G, -1), dst,
+                    torch.where(on_cpu, dst_rows, -1))
+        return on_cpu.sum()
+
     def _resolve(self, flat: torch.Tensor, what: str, distinct: bool = True) -> torch.Tensor:
         """Physical places of addresses that must all be live (``-1`` -> ``-1``)."""
         inrange, safe = self._range(flat)

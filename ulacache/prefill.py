@@ -61,3 +61,67 @@ def round_spans(space, addrs: torch.Tensor) -> list[tuple[int, int]]:
         spans.append((start, good))
         start = good
     return spans
+
+
+class PrefillStage:
+    """A one-layer staging buffer for a prefill's selected rows: the other way to serve a
+    prefill longer than the GPU pool, and the one the SGLang seam uses (DP mode).
+
+    Each layer of a prefill gathers the distinct rows its selection table names (every query's
+    top-k, any number of queries) into ``storage``, from whichever tier holds each row, and the
+    table is rewritten to staging rows; the attention kernel then reads ``storage`` instead of
+    the pool. Nothing of the address space changes: no promotion, no eviction, so a prefill
+    never pushes a running request's rows out of the GPU pool, and it moves each selected
+    CPU-resident row once per layer (host to device), where rounds (:func:`round_spans`) may
+    promote a row again after a later span evicted it. The cost is memory, ``capacity`` rows
+    of one layer (a longest request: 203K x 656 B = 133 MB for GLM-5 FP8); the capacity rule
+    becomes "the GPU pool holds a chunk's new rows and a decode step's selections, the stage one
+    prefill batch's tokens".
+
+    ``storage``: ``uint8 [1, row_base + capacity + 1, row_bytes]`` (last row scratch; rows
+    below ``row_base`` are the engine's, e.g. SGLang's sink page) on the space's device, or
+    ``None`` to allocate it. ``staged_rows`` / ``staged_from_cpu`` count rows gathered (host
+    ints, every layer).
+    """
+
+    def __init__(self, space, capacity: int, storage: torch.Tensor | None = None,
+                 row_base: int = 0):
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ShapeError(f"PrefillStage: capacity must be a positive row count, got "
+                             f"{capacity!r}")
+        rb = space.config.row_layout.row_bytes
+        want = row_base + capacity + 1
+        if storage is None:
+            storage = torch.zeros((1, want, rb), dtype=torch.uint8, device=space.device)
+        if storage.dtype != torch.uint8 or storage.dim() != 3 or storage.shape[0] != 1 or \
+                storage.shape[1] < want or storage.shape[2] != rb:
+            raise ShapeError(f"PrefillStage: storage must be uint8 [1, >= {want}, {rb}], got "
+                             f"{storage.dtype} {tuple(storage.shape)}")
+        self.space, self.capacity, self.row_base = space, capacity, row_base
+        self.storage = storage
+        self.staged_rows = self.staged_from_cpu = 0
+
+    def fits(self, seq_lens: list[int]) -> bool:
+        """Whether a prefill batch of requests reaching these lengths can be staged whatever
+        it selects: their tokens fit the stage. Host-side, from lengths alone."""
+        return sum(seq_lens) <= self.capacity
+
+    def stage(self, layer: int, table: torch.Tensor, first: int = 0) -> torch.Tensor:
+        """Gather ``layer``'s rows of the distinct addresses in ``table`` (any shape; entries
+        below ``first``, ``-1`` included, are padding) into the stage; ``int64`` (table's
+        shape) rows of ``storage`` (``row_base + i`` for the ``i``-th distinct address in
+        ascending order), ``-1`` at padding. Synchronises (the distinct count);
+        :class:`CapacityExhausted` before anything moves when they outnumber the stage."""
+        flat = table.reshape(-1).to(self.space.device, torch.int64)
+        keep = flat >= first
+        distinct = flat[keep].unique()  # sorted
+        n = distinct.numel()
+        if n > self.capacity:
+            raise CapacityExhausted(f"a prefill layer selects {n} distinct rows; the prefill "
+                                    f"stage holds {self.capacity}")
+        dst = self.row_base + torch.arange(n, device=self.space.device)
+        from_cpu = self.space.gather(layer, distinct, self.storage, dst)
+        pos = torch.searchsorted(distinct, torch.where(keep, flat, 0))
+        self.staged_rows += n
+        self.staged_from_cpu += int(from_cpu)
+        return torch.where(keep, self.row_base + pos, -1).view(table.shape)

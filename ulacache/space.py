@@ -255,6 +255,16 @@ class AddressSpace:
         with self.stream.scope():
             return g.read(layer, self.checked_addresses(addrs, "read: addrs"))
 
+    def gather(self, layer: int, addrs: torch.Tensor, dst: torch.Tensor,
+               dst_rows: torch.Tensor) -> torch.Tensor:
+        """Copy one layer's rows of live ``addrs`` into ``dst uint8 [1, R + 1, row_bytes]`` at
+        ``dst_rows`` from whichever tier holds them, changing nothing (see
+        :meth:`SelectionGroup.gather`); 0-dim count of rows read from the CPU tier."""
+        g = self.group_of(layer)
+        with self.stream.scope():
+            return g.gather(layer, self.checked_addresses(addrs, "gather: addrs"), dst,
+                            dst_rows)
+
     def access(self, group: int, addrs: torch.Tensor,
                out: torch.Tensor | None = None) -> torch.Tensor:
         """``int32 [bs, k]`` GPU rows for selected addresses of one group (see

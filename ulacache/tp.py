@@ -482,6 +482,23 @@ class TPAddressSpace:
         got = everyone[owner, torch.arange(flat.numel(), device=self.device)]
         return torch.where(inrange.unsqueeze(1), got, torch.zeros((), dtype=torch.uint8))
 
+    def gather(self, layer: int, addrs: torch.Tensor, dst: torch.Tensor,
+               dst_rows: torch.Tensor) -> torch.Tensor:
+        """:meth:`ulacache.space.AddressSpace.gather` across the ranks: every rank gets every
+        row (its own from its tiers, its peers' through :meth:`read`'s all-gather, which moves
+        ``P x n`` rows: the reference model's staging, not a production path). Collective;
+        0-dim count of this rank's own rows read from its CPU tier."""
+        gi = self._group_of(layer)
+        rows = self.read(layer, addrs)
+        flat, inrange, mine, lpos = self._split(addrs, "gather: addrs")
+        g = self.local.groups[gi]
+        with self.stream.scope():
+            phys = g._slots_of(torch.where(mine, lpos, 0))
+            on_cpu = (mine & (phys >= g.gpu_slots)).sum()
+            keep = (flat >= 0) & (dst_rows >= 0)
+            dst[0, dst_rows[keep].to(dst.device)] = rows[keep].to(dst.device)
+        return on_cpu
+
     # -- the per-step sparse access -------------------------------------------------------
     def plan(self, group: int, addrs: torch.Tensor, out: torch.Tensor | None = None
              ) -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch
 from ulacache.cache import UlaCache
 from ulacache.config import UlaCacheConfig
 from ulacache.errors import ShapeError
-from ulacache.prefill import round_spans
+from ulacache.prefill import PrefillStage, round_spans
 
 from .refmodel import DecodeOutput, DSAMLAModel, IndexShard, ModelGeometry, ResidentStore
 
@@ -34,8 +34,12 @@ logger = logging.getLogger(__name__)
 class UlaCacheStore:
     """A :class:`~ulacache.oracle.refmodel.LatentStore` whose rows live in a :class:`UlaCache`."""
 
-    def __init__(self, cache: UlaCache):
+    def __init__(self, cache: UlaCache, stage_rows: int | None = None):
         self.cache = cache
+        # with a stage, every prefill layer reads its selections from it (the SGLang seam's
+        # DP prefill); without, a prefill that outgrows the pool is served in rounds
+        self.stage = None if stage_rows is None else PrefillStage(cache.space, stage_rows)
+        self.prefilling = False  # set by the driver around prefill calls
         # group -> (round, int32 [n, k] rows, None) planned this step, or
         # (None, int64 [n, k] addresses, spans) served in rounds by every layer of the group
         self._plan: dict[int, tuple] = {}
@@ -69,8 +73,14 @@ class UlaCacheStore:
         pool holds) the group's anchor plans once and every layer of the group reads that plan.
         Otherwise (a prefill whose selections outgrow the pool) every layer of the group serves
         its queries in rounds (:func:`ulacache.prefill.round_spans`): a fresh round and an
-        access per span of queries, reading only that span's rows."""
+        access per span of queries, reading only that span's rows. With a stage, every prefill
+        layer gathers its selections into it instead (:class:`ulacache.prefill.PrefillStage`)
+        and changes nothing in the pool."""
         space = self.cache.space
+        if self.stage is not None and self.prefilling:
+            rows = self.stage.stage(layer, self._addresses(reqs, topk))
+            got = self.stage.storage[0][rows.clamp(min=0)]
+            return torch.where((rows >= 0).unsqueeze(-1), got, torch.zeros_like(got))
         gi = space.layer_to_group[layer]
         group = space.groups[gi]
         entry = self._plan.get(gi)
@@ -144,6 +154,9 @@ class EqualityReport:
     # row_bytes x layers of the group)
     prefill_rounds: int = 0
     prefill_moved: dict[str, int] = field(default_factory=dict)
+    # with a prefill stage: rows it gathered (all layers) and how many came from the CPU tier
+    prefill_staged_rows: int = 0
+    prefill_staged_from_cpu: int = 0
 
     @property
     def identical(self) -> bool:
@@ -170,13 +183,15 @@ def _group_sums(stats: dict[str, int]) -> dict[str, int]:
 
 def run_equality(geom: ModelGeometry, config: UlaCacheConfig, prompt_lens: list[int],
                  n_steps: int, seed: int = 0, peers=None,
-                 prefill_chunk: int | None = None) -> EqualityReport:
+                 prefill_chunk: int | None = None,
+                 prefill_stage: int | None = None) -> EqualityReport:
     """Prefill ``len(prompt_lens)`` requests, decode ``n_steps`` greedy steps as one batch, with
     ulacache and fully resident; compare attention outputs, logits, top-k and chosen tokens.
 
     ``prefill_chunk``: prefill each prompt in chunks of at most this many tokens (both runs,
     so both compute the same batches), as an engine's chunked prefill does; a chunk whose
-    selections outgrow the GPU pool is served in rounds (:mod:`ulacache.prefill`).
+    selections outgrow the GPU pool is served in rounds (:mod:`ulacache.prefill`), or with
+    ``prefill_stage`` (rows), every prefill layer through a stage of that many rows.
 
     Tokens are chosen by the resident run (greedy) and fed to both, so a divergence is reported
     at the step where it happens instead of cascading.
@@ -192,7 +207,7 @@ def run_equality(geom: ModelGeometry, config: UlaCacheConfig, prompt_lens: list[
     ref_model, ula_model = DSAMLAModel(geom, seed), DSAMLAModel(geom, seed)
     ref_store = ResidentStore(geom.row_bytes)
     ula_store = UlaCacheStore(UlaCache(config, peers=peers,
-                                       layer_groups=geom.selection_groups()))
+                                       layer_groups=geom.selection_groups()), prefill_stage)
     if config.tp_size > 1 and config.shard_indexer:
         # each rank keeps 1/P of the index keys, scores them, merges the candidates
         ula_model.index_shard = IndexShard(peers.rank, peers.size, peers.all_gather)
@@ -207,13 +222,20 @@ def run_equality(geom: ModelGeometry, config: UlaCacheConfig, prompt_lens: list[
         prompt = torch.randint(0, geom.vocab, (n,), generator=gen)
         for i, chunk in enumerate(prompt.split(prefill_chunk or max(1, n))):
             a = ref_model.prefill(r, chunk, ref_store)
-            b = ula_model.prefill(r, chunk, ula_store)
+            ula_store.prefilling = True
+            try:
+                b = ula_model.prefill(r, chunk, ula_store)
+            finally:
+                ula_store.prefilling = False
             if not torch.equal(a, b):
                 report.mismatches.append((-1, f"prefill logits of request {r}, chunk {i}"))
         tokens.append(int(a.argmax()))
     after = _group_sums(cache.stats())
     report.prefill_moved = {k: after[k] - before.get(k, 0) for k in after}
     report.prefill_rounds = ula_store.prefill_rounds
+    if ula_store.stage is not None:
+        report.prefill_staged_rows = ula_store.stage.staged_rows
+        report.prefill_staged_from_cpu = ula_store.stage.staged_from_cpu
     for step in range(n_steps):
         before = cache.stats()
         tok = torch.tensor(tokens)
