@@ -491,10 +491,9 @@ class TPAddressSpace:
         gi = self._group_of(layer)
         rows = self.read(layer, addrs)
         flat, inrange, mine, lpos = self._split(addrs, "gather: addrs")
-        g = self.local.groups[gi]
         with self.stream.scope():
-            phys = g._slots_of(torch.where(mine, lpos, 0))
-            on_cpu = (mine & (phys >= g.gpu_slots)).sum()
+            # an own live row that is not GPU-resident sits in this rank's CPU tier
+            on_cpu = (mine & (self.local.translate(gi, torch.where(mine, lpos, -1)) < 0)).sum()
             keep = (flat >= 0) & (dst_rows >= 0)
             dst[0, dst_rows[keep].to(dst.device)] = rows[keep].to(dst.device)
         return on_cpu
