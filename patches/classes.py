@@ -36,12 +36,25 @@ __all__ = ["UlaCacheDSATokenToKVPool", "UlaCacheTokenToKVPoolAllocator", "UlaCac
 
 
 def _forward_extend_around(original_fn, self, *args, **kwargs):
-    """Tell a ulacache pool which layer the prefill page table it translates next belongs to."""
+    """Tell a ulacache pool which layer the prefill page table it translates next belongs to,
+    and whether this batch runs through its prefill stage (``dsa_backend.py:2164``
+    ``forward_extend(q, k, v, layer, forward_batch, ...)`` reads the pool's key buffer at
+    ``:2260`` and translates the page table at ``:2343``, both inside this call; a verify
+    batch takes the coordinator's path at ``:2328`` and is never staged)."""
     layer = args[3] if len(args) > 3 else kwargs.get("layer")
+    batch = args[4] if len(args) > 4 else kwargs.get("forward_batch")
     pool = getattr(self, "token_to_kv_pool", None)
-    if isinstance(pool, UlaCacheDSATokenToKVPool) and layer is not None:
-        pool.current_layer_id = layer.layer_id
-    return original_fn(self, *args, **kwargs)
+    if not isinstance(pool, UlaCacheDSATokenToKVPool) or layer is None:
+        return original_fn(self, *args, **kwargs)
+    pool.current_layer_id = layer.layer_id
+    if pool.ula_stage is None or batch is None or batch.forward_mode.is_target_verify() or \
+            not pool.staged([int(n) for n in batch.seq_lens_cpu.tolist()]):
+        return original_fn(self, *args, **kwargs)
+    pool.staging = True
+    try:
+        return original_fn(self, *args, **kwargs)
+    finally:
+        pool.staging = False
 
 
 def _parse_hisparse_config_around(original_fn, *args, **kwargs):

@@ -146,6 +146,7 @@ class LaunchPlan:
     draft_tokens: int = 0
     max_running_requests: int | None = None
     tp_size: int = 1
+    stage_tokens: int = 0  # rows of the DP prefill stage (0: none)
 
     def __post_init__(self):
         tp = self.options.mode == "tp"
@@ -182,7 +183,7 @@ class LaunchPlan:
                    skip_topk_layers=None if skip_topk_layers is None
                    else tuple(bool(s) for s in skip_topk_layers),
                    draft_tokens=draft_tokens(), max_running_requests=max_running_requests,
-                   tp_size=tp_size)
+                   tp_size=tp_size, stage_tokens=stage_tokens(options, None))
 
 
 def model_skip_flags(kvc) -> tuple[bool, ...] | None:
@@ -207,7 +208,32 @@ def plan_launch(kvc) -> LaunchPlan:
     return LaunchPlan(options=opts, skip_topk_layers=model_skip_flags(kvc),
                       top_k=int(top_k or DEFAULT_TOP_K), draft_tokens=draft_tokens(),
                       max_running_requests=max_running_requests(),
-                      tp_size=int(tp_group().world_size) if opts.mode == "tp" else 1)
+                      tp_size=int(tp_group().world_size) if opts.mode == "tp" else 1,
+                      stage_tokens=stage_tokens(
+                          opts, getattr(kvc.model_config, "context_len", None)))
+
+
+def stage_tokens(opts: SGLangOptions, context_len: int | None) -> int:
+    """Rows of the DP prefill stage: ``prefill_stage``, or when null the model's context length
+    (one longest request; 0 when unknown, as for a pool built outside SGLang's call site);
+    0 in TP mode."""
+    if opts.mode == "tp":
+        return 0
+    if opts.prefill_stage is not None:
+        return opts.prefill_stage
+    return int(context_len or 0)
+
+
+def chunked_prefill_size() -> int | None:
+    """SGLang's ``--chunked-prefill-size`` as resolved for this launch (``None``: unknown, or
+    chunked prefill off)."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        size = getattr(get_server_args(), "chunked_prefill_size", None)
+    except (ImportError, ValueError):  # no server args published (tests, tools)
+        return None
+    return int(size) if size is not None and int(size) > 0 else None
 
 
 _BUILDING: contextvars.ContextVar[LaunchPlan | None] = contextvars.ContextVar(

@@ -154,10 +154,13 @@ class UlaCacheTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
     # -- admission: refuse what cannot be served, never hand SGLang a None ------------------
     def prefill_fits(self, seq_lens: list[int]) -> bool:
         """Whether a prefill batch whose requests reach these lengths (prefix + extend, tokens)
-        can run in one round, every token GPU-resident at once: the core's answer
-        (``prefill_fits`` of the DP or TP address space). :meth:`alloc_extend` refuses exactly
-        what this refuses."""
-        return self.core.prefill_fits(seq_lens)
+        can be served: in one round, every token GPU-resident at once (the core's
+        ``prefill_fits``, DP or TP), or else through the pool's prefill stage, which holds
+        them all (DP; :class:`ulacache.prefill.PrefillStage`). :meth:`alloc_extend` refuses
+        exactly what this refuses (and a staged batch whose new tokens outgrow the pool, which
+        SGLang's chunk size, at most the pool when the stage is on, rules out)."""
+        stage = self._kvcache.ula_stage
+        return self.core.prefill_fits(seq_lens) or (stage is not None and stage.fits(seq_lens))
 
     def max_new_tokens_for_memory(self, input_tokens: int, max_new_tokens: int, *,
                                   token_capacity: int, sliding_window_size: int | None,
@@ -184,13 +187,16 @@ class UlaCacheTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         (TP: own rows in this rank's pool, buffer copies of peers' rows).
 
         The prefill attention of this batch may select any token of its requests, prefix
-        included, and all of them must be GPU-resident in the same round: a batch the core's
-        ``prefill_fits`` refuses is refused here (``None``, SGLang's out-of-memory path) on
-        every rank, instead of served wrongly. Admission (:class:`UlaCachePrefillBudget`,
-        :meth:`max_new_tokens_for_memory`) refuses such batches first.
+        included: all of them GPU-resident in the same round, or (DP, a batch longer than the
+        pool) gathered into the prefill stage, with only the new tokens placed in the pool. A
+        batch :meth:`prefill_fits` refuses, or whose new tokens outgrow the pool, is refused
+        here (``None``, SGLang's out-of-memory path) on every rank, instead of served wrongly.
+        Admission (:class:`UlaCachePrefillBudget`, :meth:`max_new_tokens_for_memory`) refuses
+        such batches first.
         """
         lens = [int(n) for n in seq_lens_cpu.reshape(-1).tolist()]
-        if not self.prefill_fits(lens):
+        new = [n - int(p) for n, p in zip(lens, prefix_lens_cpu.reshape(-1).tolist())]
+        if not self.prefill_fits(lens) or not self.core.prefill_fits(new):
             logger.warning("ulacache: prefill batch spans %d tokens, more than one round of the "
                            "GPU pool (%d own slots, %d buffer rows per rank) holds; lower "
                            "--chunked-prefill-size / the prompt length, or give the KV cache "
@@ -205,9 +211,10 @@ class UlaCacheTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
             return None
         self.core.begin_round()
         try:
-            # After begin_round every GPU slot (TP: and buffer slot) is free or evictable,
-            # prefill_fits held the batch to one round and the logical allocator to the unique
-            # capacity: room is certain, so only validate pays the check's host syncs (they
+            # After begin_round every GPU slot (TP: and buffer slot) is free or evictable, the
+            # checks above held the new tokens (staged: only they are placed) or the whole
+            # batch to one round and the logical allocator to the unique capacity: room is
+            # certain, so only validate pays the check's host syncs (they
             # would stall the scheduler's CPU side of the next batch under overlap scheduling)
             if self.core.validate:
                 self.core.check_place(locs)  # TP: collective, the same verdict on every rank

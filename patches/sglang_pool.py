@@ -40,6 +40,7 @@ from ulacache.config import SGLangOptions, UlaCacheConfig
 from ulacache.core import Core
 from ulacache.errors import ConfigError, StaleSelectionError
 from ulacache.layout import PoolRows, RowLayout
+from ulacache.prefill import PrefillStage
 from ulacache.space import AddressSpace
 from ulacache.streams import capturing
 from ulacache.tp import TPAddressSpace
@@ -48,6 +49,7 @@ from . import sglang_tp_support as tps
 from .launch import (
     TP_SIZES,
     LaunchPlan,
+    chunked_prefill_size,
     layer_groups_from_skip,
     plan_being_built,
     sglang_options,
@@ -159,6 +161,8 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
         self.core: Core = self._build_core(cfg, n_logical=size * ratio + page_size)
         self._prefill_round = [-1] * len(self.ula_groups)  # round of each anchor's last access
         self.current_layer_id = self.start_layer  # set by the forward_extend hook
+        self.ula_stage = self._build_stage()
+        self.staging = False  # set by the forward_extend hook for a staged prefill batch
         rows, rb = self.ula_rows, cfg.row_layout.row_bytes
         logger.info(
             "ulacache pool (%s%s): %d selection group(s) x %d layers; GPU %d own slots + %d "
@@ -192,21 +196,31 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
     def _create_buffers(self) -> None:
         """One ``uint8 [L_g, R, row_bytes]`` tensor per selection group, so a group's layers
         move in one launch; ``kv_buffer[layer]`` is its ``[R, 1, kv_cache_dim]`` view in the
-        store dtype. DP: in SGLang's memory-saver region and custom pool; TP: allocated by the
-        peers, which can map it."""
+        store dtype. DP: in SGLang's memory-saver region and custom pool, with the prefill
+        stage's one layer of rows when the plan has one; TP: allocated by the peers, which can
+        map it."""
         rb = self.kv_cache_dim * torch._utils._element_size(self.store_dtype)
         R = self.ula_rows.total
         self._ula_storage: list[tuple[str, torch.Tensor]] = []
+        self._stage_storage = self._stage_buffer = None
         if self.ula_tp is None:
             saver = getattr(self, "memory_saver_adapter", None)
             pool = getattr(self, "custom_mem_pool", None)
             from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
 
+            S = PoolRows(self.page_size, self.ula_plan.stage_tokens).total \
+                if self.ula_plan.stage_tokens else 0
             with saver.region(GPU_MEMORY_TYPE_KV_CACHE) if saver is not None else nullcontext():
                 with torch.cuda.use_mem_pool(pool) if pool else nullcontext():
                     for gi, g in enumerate(self.ula_groups):
                         self._ula_storage.append((f"kv_group{gi}", torch.zeros(
                             (len(g), R, rb), dtype=torch.uint8, device=self.device)))
+                    if S:
+                        self._stage_storage = torch.zeros((1, S, rb), dtype=torch.uint8,
+                                                          device=self.device)
+            if S:
+                self._stage_buffer = self._stage_storage.view(self.store_dtype).view(
+                    S, 1, self.kv_cache_dim)
         else:
             for gi, g in enumerate(self.ula_groups):
                 name = f"kv_group{gi}"
@@ -228,8 +242,40 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
                               layer_groups=layer_ids, storage=self._ula_storage,
                               row_offset=rows.row_base)
 
+    def _build_stage(self) -> PrefillStage | None:
+        """The DP prefill stage over the tensor :meth:`_create_buffers` allocated, or ``None``
+        (TP mode; ``prefill_stage`` 0; a chunk that could not be placed in the pool: SGLang's
+        ``--chunked-prefill-size`` larger than the pool, so a staged batch's new tokens might
+        not fit, and every prefill batch must fit the pool as without a stage)."""
+        if self._stage_storage is None:
+            return None
+        chunk = chunked_prefill_size()
+        G = self.core.config.gpu_slots
+        if chunk is not None and chunk > G:
+            logger.warning("ulacache: prefill stage off: --chunked-prefill-size %d exceeds the "
+                           "GPU pool (%d slots), which must hold a chunk's new tokens; every "
+                           "prefill batch must fit the pool", chunk, G)
+            return None
+        return PrefillStage(self.core, self.ula_plan.stage_tokens, self._stage_storage,
+                            row_base=self.page_size)
+
+    def staged(self, seq_lens: list[int]) -> bool:
+        """Whether a prefill batch of requests reaching these lengths is served through the
+        stage: it has one and the batch does not fit one round of the pool. The allocator's
+        admission and the forward_extend hook ask the same question of the same lengths."""
+        return self.ula_stage is not None and not self.core.prefill_fits(seq_lens)
+
+    def get_key_buffer(self, layer_id: int):
+        """``kv_buffer[layer]``, or while a staged prefill batch runs its attention, the stage
+        (the page table :meth:`prefill_rows` returns then indexes it)."""
+        if self.staging:
+            return self._stage_buffer.view(self.dtype) if self.store_dtype != self.dtype \
+                else self._stage_buffer
+        return super().get_key_buffer(layer_id)
+
     def _clear_buffers(self) -> None:
         del self.kv_buffer, self._group_buffers, self._ula_storage
+        self._stage_storage = self._stage_buffer = None
 
     def close_peers(self) -> None:
         """TP mode: release this rank's shared tensors (tests and shutdown; peers' mappings
@@ -260,7 +306,11 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
         """Prefill page table of one layer (logical addresses, ``-1`` padded) -> its rows in
         ``kv_buffer[layer_id]``; ``-1`` stays ``-1`` and the sink page stays row 0.
 
-        MUTATES on the group's anchor (first) layer: one access of the group on the table's
+        A staged batch (:meth:`staged`; the forward_extend hook sets ``staging``): every layer
+        gathers the table's distinct rows into the stage, from either tier, and the table
+        indexes the stage (:class:`ulacache.prefill.PrefillStage`); nothing in the pool moves.
+
+        Otherwise it MUTATES on the group's anchor (first) layer: one access of the group on the table's
         *distinct* addresses (``core.access_distinct``: at most what the allocator's
         ``prefill_fits`` admitted, so a fixed-size call; TP: the ranks exchange those, not the
         table) promotes the selected rows that sit in the CPU tier, once per group and
@@ -273,6 +323,11 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
         The table (``T x top-k`` entries: 2^24 for an 8K chunk at top-k 2048) is read in
         pieces of the core's ``call_capacity`` entries, so no temporary grows with it.
         """
+        if self.staging:  # a batch longer than the pool: its rows gathered, the pool as is
+            rows = self.ula_stage.stage(layer_id - self.start_layer, page_table,
+                                        first=self.page_size)
+            sink = (page_table >= 0) & (page_table < self.page_size)
+            return torch.where(sink, 0, rows).to(page_table.dtype)
         gi = self.group_index(layer_id)
         if layer_id - self.start_layer == self.core.groups[gi].layers[0]:
             self.core.access_distinct(gi, page_table, first=self.page_size)

@@ -20,6 +20,9 @@ knows nothing of ulacache, so one AROUND hook on ``DefaultPoolConfigurator.__ini
   rows of the ``N`` global GPU tokens) and the rows per layer around them (sink page, scratch,
   ``B`` buffer rows, padding to a page) as fixed overhead. Index-K stays charged in full
   (replicated on every rank);
+* DP mode with a prefill stage (``LaunchPlan.stage_tokens``, ``prefill_stage``): one
+  layer's rows of it (:class:`ulacache.layout.PoolRows` over the stage: sink page, the staged
+  rows, scratch, padding to a page), fixed;
 * both modes, shared-index models (layers that reuse the previous layer's top-k, SGLang's
   ``dsa_layer_skips_topk``): the pool gives those layers no index-K (``sglang_pool`` passes the
   plan's flags; they never run the indexer, ``forward_mla.py:146-165``), so their share of the
@@ -82,16 +85,24 @@ def pool_configurator_init_around(original_fn, self, kvc, *args, **kwargs):
         call_entries=opts.call_entries)  # the tables and the per-call scratch
     outputs = coordinator_output_bytes(len(groups), request_slots(kvc, plan.max_running_requests),
                                        plan.top_k, plan.draft_tokens)
+    stage = stage_bytes(page, plan.stage_tokens, row)
     self._cell_size += per_token
-    self._fixed_overhead_bytes += fixed + rows_bytes + outputs
+    self._fixed_overhead_bytes += fixed + rows_bytes + outputs + stage
     logger.info(
         "ulacache sizing (%s, %d rank(s)): %d selection group(s) over %d layers; cell %d -> %d B "
         "per GPU token (ulacache tables %d B%s); fixed overhead +%.1f MiB (tables %.1f MiB, %s "
-        "%.1f MiB, coordinator output rows %.1f MiB)", opts.mode, P, len(groups), layers,
+        "%.1f MiB, coordinator output rows %.1f MiB, prefill stage %d tokens %.1f MiB)",
+        opts.mode, P, len(groups), layers,
         stock_cell, self._cell_size, per_token, ", latent 1/P" if P > 1 else "",
-        (fixed + rows_bytes + outputs) / 2**20, fixed / 2**20,
+        (fixed + rows_bytes + outputs + stage) / 2**20, fixed / 2**20,
         f"{B} buffer rows + sink, scratch, padding per layer" if P > 1 else "tail page",
-        rows_bytes / 2**20, outputs / 2**20)
+        rows_bytes / 2**20, outputs / 2**20, plan.stage_tokens, stage / 2**20)
+
+
+def stage_bytes(page: int, stage_tokens: int, row_bytes: int) -> int:
+    """Device bytes of a prefill stage of ``stage_tokens`` rows (one layer, laid out as
+    :class:`PoolRows`); 0 without one."""
+    return PoolRows(page, stage_tokens).total * row_bytes if stage_tokens else 0
 
 
 def elided_index_k_bytes(configurator, kvc, skip_topk_layers, layers: int) -> int:

@@ -64,6 +64,7 @@ class Harness:
         self.latent: dict[tuple[int, int], torch.Tensor] = {}  # (layer, logical loc) -> row
         self.lens: dict[int, int] = {}
         self.reqs: dict[int, types.SimpleNamespace] = {}
+        self.staged_chunks = 0  # prefill chunks served through the pool's prefill stage
 
     # -- SGLang's writes ------------------------------------------------------------------
     def write_kv(self, locs: torch.Tensor) -> None:
@@ -74,11 +75,13 @@ class Harness:
             for i, loc in enumerate(locs.tolist()):
                 self.latent[(layer, loc)] = torch.cat([nope[i, 0], rope[i, 0]])
 
-    def check_rows(self, layer: int, rows: torch.Tensor, locs: torch.Tensor) -> None:
-        """rows (kv_buffer rows) must hold the latent written for locs; -1 stays -1."""
+    def check_rows(self, layer: int, rows: torch.Tensor, locs: torch.Tensor,
+                   buf: torch.Tensor | None = None) -> None:
+        """rows (of ``buf``, by default kv_buffer[layer]) must hold the latent written for
+        locs; -1 stays -1."""
         assert rows.dtype == torch.int32
         assert torch.equal(rows < 0, locs < 0)
-        buf = self.pool.kv_buffer[layer]
+        buf = self.pool.kv_buffer[layer] if buf is None else buf
         for r, loc in zip(rows.reshape(-1).tolist(), locs.reshape(-1).tolist()):
             if loc >= 0:
                 assert torch.equal(buf[r, 0], self.latent[(layer, loc)]), (layer, loc, r)
@@ -108,10 +111,18 @@ class Harness:
             pos[:, -3:] = -1
             table = torch.where(pos >= 0, self.rtp.req_to_token[idx][pos.clamp(min=0)].long(),
                                 -1)
+            self.staged_chunks += self.pool.staged([done + m])
             for layer in range(L):
-                self.pool.current_layer_id = layer  # what the forward_extend hook records
-                rows = self.pool.translate_loc_to_hisparse_device(table.to(torch.int32))
-                self.check_rows(layer, rows.to(torch.int32), table)
+                # what the forward_extend hook records and decides, then the backend's calls:
+                # the key buffer (dsa_backend.py:2260), the page table's translation (:2343)
+                self.pool.current_layer_id = layer
+                self.pool.staging = self.pool.staged([done + m])
+                try:
+                    buf = self.pool.get_key_buffer(layer)
+                    rows = self.pool.translate_loc_to_hisparse_device(table.to(torch.int32))
+                    self.check_rows(layer, rows.to(torch.int32), table, buf)
+                finally:
+                    self.pool.staging = False
             self.check()
             done += m
         self.lens[idx] = n

@@ -7,7 +7,7 @@ layer, top-k sharing pattern ``FSFF``: selection groups ``[0, 1], [2], [3]``):
 - SGLang's own configurator is built stock and through the hook, in DP and in TP mode (P = 4),
   and sizes the pool from one byte budget;
 - DP: ulacache's real pool is built at the hooked token count ``N`` (through the pool-build
-  hook, so with the groups it really builds) beside SGLang's stock HiSparse pool at the same
+  hook, so with the groups and the prefill stage it really builds) beside SGLang's stock HiSparse pool at the same
   ``N``; every device byte ulacache's pool allocates beyond the stock pool's must be what the
   hook charged, and the tables alone must be within the core formula's bound.
 
@@ -96,11 +96,12 @@ _CHILD = textwrap.dedent(f"""
               kv_cache_dim=80, max_running_requests={MAX_REQS}, host_to_device_ratio={RATIO})
     launch.sglang_options = lambda: dp
     pool = classes._build_dsa_kv_pool_around(
-        lambda self: classes.UlaCacheDSATokenToKVPool(N, ulacache_options=dp, **kw), kvc)
+        lambda self: classes.UlaCacheDSATokenToKVPool(N, **kw), kvc)  # the hook's plan
     stock = HiSparseDSATokenToKVPool(N, **kw)
     host = [g.pools.cpu for g in pool.core.groups]  # the CPU tier: pinned host memory
     mods = ("ulacache", "sglang.srt.mem_cache")
     out["groups"] = pool.ula_groups
+    out["stage_bytes"] = pool._stage_storage.nbytes
     out["tables"] = sum(device_table_bytes(
         pool.core, host + [g.pools.gpu for g in pool.core.groups]).values())
     out["ours"] = sum(device_table_bytes(pool, host, modules=mods).values())
@@ -134,7 +135,9 @@ def test_dp_cell_grows_by_the_tables_of_the_real_groups(sized):
     assert dp["cell"] - stock["cell"] == per - len(SHARED) * INDEX_K * RATIO
     assert per > 0
     # + the tail page + the coordinator's output rows (R = MAX_REQS + padding row, 1 step)
-    assert dp["fixed"] - stock["fixed"] == fixed + 64 * LAYERS * ROW + OUTPUTS
+    # + the prefill stage: one layer of the context length's rows (PoolRows: sink page,
+    # 4,096 rows, scratch, padding to a page: 4,224 rows)
+    assert dp["fixed"] - stock["fixed"] == fixed + 64 * LAYERS * ROW + OUTPUTS + 4224 * ROW
     assert dp["tokens"] == (AVAIL - dp["fixed"]) // dp["cell"] // 64 * 64
     # this toy's tables (255 B) weigh less than the shared layer's index-K (660 B): more tokens
     assert dp["cell"] < stock["cell"] and dp["tokens"] > stock["tokens"]
@@ -154,7 +157,9 @@ def test_what_the_dp_pool_allocates_beyond_stock_is_charged(sized):
     assert sized["tables"] <= per * N + fixed <= sized["tables"] + N + 3 * (BUCKETS + 3) * 204 + 1
     extra = sized["ours"] - sized["theirs"]
     charged = (dp["cell"] - stock["cell"]) * N + dp["fixed"] - stock["fixed"]
-    assert sized["tables"] + 64 * LAYERS * ROW - sized["elided"] <= extra <= charged
+    assert sized["stage_bytes"] == 4224 * ROW  # allocated as charged (the plan's stage)
+    assert sized["tables"] + 64 * LAYERS * ROW + sized["stage_bytes"] - sized["elided"] \
+        <= extra <= charged
 
 
 def test_shared_layers_get_no_index_k_and_their_charge_goes(sized):

@@ -229,6 +229,10 @@ class SGLangOptions(_Checked, frozen=True, forbid_unknown_fields=True, kw_only=T
     shadows: bool = True  # evictions of promoted rows remap to their CPU copy (no write-back)
     # entries per kernel call (UlaCacheConfig.call_entries; null: GPU pool + buffer + 8192)
     call_entries: Optional[Annotated[int, Meta(ge=128, le=1 << 31)]] = None
+    # DP only: tokens of the one-layer prefill stage (ulacache.prefill.PrefillStage) that serves
+    # a prefill batch longer than the GPU pool; null: the model's context length; 0: none (every
+    # prefill batch, prefix included, must fit the GPU pool)
+    prefill_stage: Optional[Annotated[int, Meta(ge=0, le=1 << 30)]] = None
 
     def _check(self) -> None:
         if self.mode != "tp":
@@ -237,6 +241,10 @@ class SGLangOptions(_Checked, frozen=True, forbid_unknown_fields=True, kw_only=T
                 if value:
                     raise ConfigError(f"--ulacache-config key {key!r} is only for mode 'tp' "
                                       f"(got mode {self.mode!r})")
+        elif self.prefill_stage:
+            raise ConfigError("--ulacache-config key 'prefill_stage' is only for mode 'dp' (a TP "
+                              "stage would gather peers' rows; mode 'tp' prefill batches must "
+                              "fit each rank's pool and buffer)")
 
     @property
     def host_to_device_ratio(self) -> int:
