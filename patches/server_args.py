@@ -70,7 +70,9 @@ _ULACACHE_CONFIG_HELP = (
     "checks every step, false), access_path (auto|torch|fused, auto: fused on CUDA), "
     "shadows (promoted rows keep their CPU copy so evicting them writes nothing back, true), "
     "call_entries (entries per kernel call, its scratch allocated once; default GPU pool + "
-    "buffer + 8192: prefill page tables are translated in pieces of it); mode tp "
+    "buffer + 8192: prefill page tables are translated in pieces of it), prefill_stage (mode "
+    "dp: tokens of the one-layer stage a prefill longer than the GPU pool reads its selections "
+    "from; default the model's context length, 0: none); mode tp "
     "adds buffer_slots and shard_indexer. Example: "
     '\'{"mode": "dp", "cpu_ratio": 4}\'.'
 )

@@ -114,7 +114,7 @@ def test_ulacache_dp_charge_is_the_sizing_hooks():
     formula's own figure;
     fixed: the tables' fixed bytes + the tail page (64 rows per layer) + the coordinator's
     output rows for 64 running requests + the padding row (61 groups x 65 x 2048 x 4 B + 65 x
-    8 B = 32,481,800 B). The pool is SGLang's ``(D - fixed) // cell`` in whole pages. The
+    8 B = 32,481,800 B) + the prefill stage (one layer, 163,968 rows of 656 B). The pool is SGLang's ``(D - fixed) // cell`` in whole pages. The
     figures move with the ratio."""
     from ulacache.sizing import table_bytes_per_slot
 
@@ -123,7 +123,10 @@ def test_ulacache_dp_charge_is_the_sizing_hooks():
     assert (inp.groups, per) == (61, 4524)
     cell, fix = cap.ulacache_dp_charge(inp, 4)
     assert cell == 61 * (656 + 5 * 132) + per == 80276 + 4524
-    assert fix == fixed + 64 * 61 * 656 + 32481800
+    # + the prefill stage: 163,840 context rows + sink page + scratch, in whole pages
+    assert inp.stage_bytes == 163968 * 656
+    assert fix == fixed + 64 * 61 * 656 + 32481800 + 163968 * 656
+    assert cap.ulacache_dp_charge(inp, 4, staged=False) == (cell, fix - 163968 * 656)
     assert cap.ulacache_dp_pool(inp, 4) == (inp.kv_bytes - fix) // cell // 64 * 64
     # the tables' per-slot cost grows with the ratio (mapping, claim table, CPU free stack)
     cells = [cap.ulacache_dp_charge(inp, c)[0] - 61 * (656 + 132 * (1 + c)) for c in range(6)]
@@ -152,15 +155,17 @@ def test_ulacache_tp_charge_is_the_sizing_hooks():
 
 def _hand_fixed(inp, mode, c, running, buffer_rows=0):
     """The sizing hook's fixed bytes by hand from ``ulacache.sizing``: tables' fixed part, the
-    DP tail page or the TP rows, and the output rows per selection group over ``running + 1``
-    slots of ``draft`` steps."""
+    DP tail page and prefill stage (one layer of the context length's rows, page-aligned
+    around a sink page and a scratch row) or the TP rows, and the output rows per selection
+    group over ``running + 1`` slots of ``draft`` steps."""
     from ulacache.sizing import table_bytes_per_slot
 
     tp = mode == "tp"
     _, fixed = table_bytes_per_slot(inp.groups, ratio=1 + c, page_size=64, n_buckets=64,
                                     policy="pblru", tp_size=8 if tp else 1,
                                     buffer_slots=buffer_rows, layers=inp.layers if tp else 0)
-    rows = (buffer_rows + 128) * inp.lat if tp else 64 * inp.lat
+    stage = -(-(64 + cap.CONTEXT_LEN[inp.model] + 1) // 64) * 64 * inp.row
+    rows = (buffer_rows + 128) * inp.lat if tp else 64 * inp.lat + stage
     steps = (running + 1) * inp.draft_tokens
     return fixed + rows + inp.groups * steps * inp.top_k * 4 + steps * 8
 
@@ -376,6 +381,7 @@ _HOOKED_SIZES = textwrap.dedent(f"""
             "glm52": ("GlmMoeDsaForCausalLM", 78)}}
     # glm52: SGLang reads the sharing from indexer_types (dsa_layer_skips_topk)
     TYPES = {{"glm52": json.loads(sys.argv[2])}}
+    CONTEXT_LEN = {cap.CONTEXT_LEN!r}  # SGLang's context_len: sizes the prefill stage
     budget = int(sys.argv[1])
     launch.tp_group = lambda: types.SimpleNamespace(world_size=8)
     out = {{}}
@@ -392,7 +398,8 @@ _HOOKED_SIZES = textwrap.dedent(f"""
                                   num_hidden_layers=layers, **extra)
             mc = types.SimpleNamespace(hf_config=hf, hf_text_config=hf, kv_lora_rank=512,
                                        qk_rope_head_dim=64, num_hidden_layers=layers,
-                                       context_len=4096, linear_attn_registry_result=None)
+                                       context_len=CONTEXT_LEN[model],
+                                       linear_attn_registry_result=None)
             kvc = types.SimpleNamespace(
                 model_config=mc, kv_cache_dtype=torch.float8_e4m3fn,
                 kv_cache_dtype_str="fp8_e4m3", use_mla_backend=True, pool_page_size=64,
@@ -504,3 +511,29 @@ def test_the_sharing_rule_is_transformers_glm_moe_dsa():
                                         index_skip_topk_offset=offset).indexer_types
         assert [i for i, t in enumerate(types_) if t == "full"] == \
             cap.indexer_layers(n, (freq, offset))
+
+
+def test_staged_dp_holds_at_least_hisparse_dp_everywhere():
+    """Issue 21's DP condition on the published budgets: ulacache DP8 with its prefill stage
+    (the default) holds at least HiSparse DP8's unique tokens and admits at least its requests
+    at 32K / 64K / 128K; GLM-5 and DeepSeek-V3.2, FP8 and BF16, 8xH200 and 8xB300. Without the
+    stage (the whole-request rule) it does not on 8xH200 GLM-5 FP8. Each capacity row keeps its
+    rule: staged, a pool of at least a chunk (8K on H200, 16K on B300) that holds one decode
+    step of the 128K requests the system is full of; stage 0, a pool of at least 128K."""
+    res = cap.run(models="glm5,dsv32")
+    by = {(r["platform"], r["model"], r["layout"], r["system"]): r for r in res["rows"]}
+    for plat in ("h200", "b300"):
+        for model in ("glm5", "dsv32"):
+            for layout in ("fp8", "bf16"):
+                key = (plat, model, layout)
+                ula, hs = by[key + ("ulacache_dp",)], by[key + ("hisparse_dp",)]
+                assert ula["unique_tokens"] >= hs["unique_tokens"], key
+                for n, r in hs["max_requests"].items():
+                    assert ula["max_requests"][n] >= r, (key, n)
+                g = ula["gpu_latent_slots"] // 8
+                assert g >= cap.PLATFORMS[plat].chunk
+                assert 2049 * ((1 + ula["ratio"]) * g // 131072) <= g
+                assert by[key + ("ulacache_dp_whole",)]["gpu_latent_slots"] // 8 >= 131072
+    key = ("h200", "glm5", "fp8")
+    assert by[key + ("ulacache_dp_whole",)]["unique_tokens"] < \
+        by[key + ("hisparse_dp",)]["unique_tokens"]

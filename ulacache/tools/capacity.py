@@ -21,8 +21,12 @@ Systems, on P = 8 GPUs (per rank ``D`` bytes of GPU KV budget, ``H_host`` bytes 
   owners, free stacks, claim table, PB-LRU state: :func:`ulacache.sizing.table_bytes_per_slot`
   itself, 64 buckets, one selection group per layer: neither preset shares top-k); fixed: the
   tables' fixed bytes + the pool's tail page (``64 x lat``) + the coordinator's output rows
-  (below). Unique = ``(1 + c) G``. One decode step's selections must fit the GPU pool:
-  ``R x draft x (top_k + 1) <= G``.
+  (below) + the prefill stage (``prefill_stage`` null, the default: one layer of
+  ``context_len`` rows, ``PoolRows`` layout). Unique = ``(1 + c) G``. One decode step's
+  selections must fit the GPU pool: ``R x draft x (top_k + 1) <= G``. A prefill longer than
+  the pool reads its selections from the stage, so the pool holds only a chunk's new tokens
+  (SGLang's ``--chunked-prefill-size``, :attr:`Platform.chunk`). **ulacache DP (stage 0)**:
+  the same without the stage; every prefill batch must fit the pool.
 - **ulacache TP** (``patches/sglang_tp_support.py``): one address space striped over the 8
   ranks; per rank per global GPU token ``ceil(lat / P)`` plus index-K ``idx * (1 + c)``
   (replicated, what ships) or ``/ P`` (sharded, not built under SGLang) plus the rank's tables
@@ -48,9 +52,17 @@ logical page list, and its coordinator's per-request-slot tables (per layer ``D 
 two ``int32`` maps and ``D`` ``int16`` LRU entries, a host map over the context length);
 ulacache's logical page list (``int64`` per logical page).
 
-Ratios (x, c) are integers, as the launch flags, within the host budget. Capacity columns take
-the ratio with the most unique tokens whose GPU pool still holds one request of the longest
-length (its prefill is written there before HiSparse backs it up / ulacache spills it); each
+Ratios (x, c) are integers, as the launch flags, within the host budget. Two prefill rules,
+side by side (``prefill_rules`` in the JSON):
+
+- *whole* (HiSparse, ulacache TP, ulacache DP with stage 0): the GPU pool holds one request of
+  the longest length (its prefill is written there before HiSparse backs it up / ulacache
+  spills it, and its attention may select any of its tokens in that round);
+- *staged* (ulacache DP, the default): the pool holds a chunk and, in the capacity columns, one
+  decode step of the longest requests the system is full of (``draft x (top_k + 1) x
+  floor((1 + c) G / S) <= G``).
+
+Capacity columns take the ratio with the most unique tokens under the system's rule; each
 concurrency column takes the ratio that admits the most requests of that length (in the JSON).
 
 Also printed: the paper's two capacity figures (UlaCache §2.2.1, Figure 2) recomputed:
@@ -68,6 +80,7 @@ from dataclasses import dataclass, field
 from functools import cache, cached_property
 
 from ulacache.config import SGLangOptions
+from ulacache.layout import PoolRows
 from ulacache.oracle.refmodel import ModelGeometry
 from ulacache.sizing import coordinator_output_bytes, table_bytes_per_slot
 
@@ -89,6 +102,9 @@ class Platform:
     hbm_gb: float
     static_gb: float
     host_gb: float  # host memory for KV per GPU
+    # SGLang's default --chunked-prefill-size for this GPU memory (arg_groups/memory_hook.py:
+    # 139-167: 8K below 160 GB, 16K above): a prefill chunk's new tokens, placed in the pool
+    chunk: int = 8192
     gpus: int = 8
 
 
@@ -97,7 +113,7 @@ PLATFORMS = {
     # H200 CPU budget
     "h200": Platform("8xH200", 141.0, 0.85 * 141.0, 128.0),
     # 272 GB for model + cache and 192 GB/GPU of host (1.5 TB/node): the paper's B300 budgets
-    "b300": Platform("8xB300", 288.0, 272.0, 192.0),
+    "b300": Platform("8xB300", 288.0, 272.0, 192.0, chunk=16384),
 }
 
 # FP8 checkpoints at ~1 B/parameter, sharded evenly over 8 GPUs (the same for DP- and TP-
@@ -115,9 +131,10 @@ SHARING = {"glm52": (4, 3)}
 :func:`indexer_layers` runs the indexer; every other layer reuses the previous layer's top-k
 (SGLang's ``dsa_layer_skips_topk``). GLM-5.2-style, freq 4 and offset 3: 21 of 78 layers."""
 SYSTEMS = ("sglang_dp", "sglang_tp", "hisparse_dp", "hisparse_tp", "ulacache_dp",
-           "ulacache_tp_repl", "ulacache_tp_shard")
+           "ulacache_dp_whole", "ulacache_tp_repl", "ulacache_tp_shard")
 LABELS = {"sglang_dp": "SGLang DP8", "sglang_tp": "SGLang TP8", "hisparse_dp": "HiSparse DP8",
           "hisparse_tp": "HiSparse TP8", "ulacache_dp": "ulacache DP8",
+          "ulacache_dp_whole": "ulacache DP8 (stage 0)",
           "ulacache_tp_repl": "ulacache TP8 (idx repl)",
           "ulacache_tp_shard": "ulacache TP8 (idx shard)"}
 
@@ -150,6 +167,19 @@ class Inputs:
     # buffer; the concurrency columns charge the admitted count instead
     running: int = 64
     min_gpu_tokens: int = max(LENGTHS)  # capacity columns: the GPU pool must hold one request
+    chunk: int = 8192  # SGLang's --chunked-prefill-size (Platform.chunk)
+
+    @cached_property
+    def stage_tokens(self) -> int:
+        """Rows of ulacache's DP prefill stage: the model's context length (``prefill_stage``
+        null, the default)."""
+        return CONTEXT_LEN[self.model]
+
+    @cached_property
+    def stage_bytes(self) -> int:
+        """Device bytes of the stage per rank: one layer, laid out as the pool's rows
+        (``sglang_sizing.stage_bytes``)."""
+        return PoolRows(PAGE, self.stage_tokens).total * self.row
 
     @cached_property
     def geometry(self) -> ModelGeometry:
@@ -241,14 +271,17 @@ def coordinator_outputs(inp: Inputs, running: int | None = None) -> int:
     return coordinator_output_bytes(inp.groups, r + 1, inp.top_k, inp.draft_tokens)
 
 
-def ulacache_dp_charge(inp: Inputs, c: int, running: int | None = None) -> tuple[int, int]:
+def ulacache_dp_charge(inp: Inputs, c: int, running: int | None = None,
+                       staged: bool = True) -> tuple[int, int]:
     """``(cell, fixed)`` SGLang's configurator has under the sizing hook in DP mode at
     ``cpu_ratio`` c (``patches/sglang_sizing.py``): cell ``lat + idx (1 + c)`` (index-K for every
     logical token) + the tables per GPU slot; fixed: the tables' fixed bytes + the tail page +
-    the coordinator's output rows for ``running`` requests (:func:`coordinator_outputs`)."""
+    the coordinator's output rows for ``running`` requests (:func:`coordinator_outputs`) + the
+    prefill stage when ``staged`` (:attr:`Inputs.stage_bytes`; ``prefill_stage`` 0: none)."""
     per, fixed = _tables(inp.groups, 1 + c)
     return (inp.lat + inp.idx_anchors * (1 + c) + per,
-            fixed + PAGE * inp.lat + coordinator_outputs(inp, running))
+            fixed + PAGE * inp.lat + coordinator_outputs(inp, running)
+            + (inp.stage_bytes if staged else 0))
 
 
 def ulacache_tp_charge(inp: Inputs, c: int, buffer_rows: int, shard_index: bool = False,
@@ -266,11 +299,13 @@ def ulacache_tp_charge(inp: Inputs, c: int, buffer_rows: int, shard_index: bool 
                   + coordinator_outputs(inp, running))
 
 
-def ulacache_dp_pool(inp: Inputs, c: int, running: int | None = None) -> int:
+def ulacache_dp_pool(inp: Inputs, c: int, running: int | None = None,
+                     staged: bool = True) -> int:
     """ulacache GPU pool G per rank (tokens) at ``cpu_ratio`` c: SGLang's
     ``(D - fixed) // cell`` under the sizing hook (:func:`ulacache_dp_charge`, ``running``
-    requests per rank), capped so the CPU tier ``c G lat`` fits the host."""
-    cell, fixed = ulacache_dp_charge(inp, c, running)
+    requests per rank, the stage when ``staged``), capped so the CPU tier ``c G lat`` fits the
+    host."""
+    cell, fixed = ulacache_dp_charge(inp, c, running, staged)
     gpu = max(inp.kv_bytes - fixed, 0) // cell
     host = inp.host_bytes // (c * inp.lat) if c else gpu
     return _pages(min(gpu, host))
@@ -326,20 +361,23 @@ def _split(P: int, tokens: int, latent: int, index: int, tables: int, fixed: int
             "tables": P * tokens * tables, "fixed": P * fixed}
 
 
-def _ratios(first: int, pool, min_pool: int):
-    """Ratios ``first, first + 1, ...`` whose GPU pool holds ``min_pool`` tokens. A pool only
-    shrinks as the ratio grows (more index-K per GPU token, less host per row), so stop at the
-    first that does not."""
+def _ratios(first: int, pool, min_pool: int, ok=None):
+    """Ratios ``first, first + 1, ...`` whose GPU pool holds ``min_pool`` tokens (and pass
+    ``ok(r)`` when given). A pool only shrinks as the ratio grows (more index-K per GPU token,
+    less host per row), and ``ok`` must turn false for good too, so stop at the first that does
+    not."""
     for r in range(first, MAX_RATIO + 1):
-        if pool(r) < min_pool:
+        if pool(r) < min_pool or (ok is not None and not ok(r)):
             return
         yield r
 
 
-def _pick(first: int, unique, pool, min_pool: int) -> int:
+def _pick(first: int, unique, pool, min_pool: int, ok=None) -> int:
     """The ratio with the most unique tokens (lowest on ties) among those whose GPU pool holds
-    ``min_pool`` tokens (one longest request's prefill); ``first`` when none does."""
-    return max(_ratios(first, pool, min_pool), key=lambda r: (unique(r), -r), default=first)
+    ``min_pool`` tokens (one longest request's prefill, or a chunk) and pass ``ok``; ``first``
+    when none does."""
+    return max(_ratios(first, pool, min_pool, ok), key=lambda r: (unique(r), -r),
+               default=first)
 
 
 def _best(points):
@@ -385,11 +423,20 @@ def capacity(inp: Inputs, system: str) -> Point:
         return Point(x, unique, P * g, P * x * g, P * g * (inp.lat + inp.idx * x),
                      P * x * g * inp.lat, g, _split(P, g, inp.lat, inp.idx * x, 0, 0),
                      inp.lat + inp.idx * x)
-    if system == "ulacache_dp":
-        c = _pick(0, lambda r: (1 + r) * ulacache_dp_pool(inp, r),
-                  lambda r: ulacache_dp_pool(inp, r), inp.min_gpu_tokens)
-        g = ulacache_dp_pool(inp, c)
-        cell, fixed = ulacache_dp_charge(inp, c)
+    if system in ("ulacache_dp", "ulacache_dp_whole"):
+        staged = system == "ulacache_dp"
+        step = inp.draft_tokens * (inp.top_k + 1)
+
+        def pool(r: int) -> int:
+            return ulacache_dp_pool(inp, r, staged=staged)
+
+        if staged:  # the pool holds a chunk, and one step of the requests it is full of
+            c = _pick(0, lambda r: (1 + r) * pool(r), pool, inp.chunk,
+                      lambda r: step * ((1 + r) * pool(r) // inp.min_gpu_tokens) <= pool(r))
+        else:  # the pool holds one longest request's prefill
+            c = _pick(0, lambda r: (1 + r) * pool(r), pool, inp.min_gpu_tokens)
+        g = pool(c)
+        cell, fixed = ulacache_dp_charge(inp, c, staged=staged)
         per = _tables(inp.groups, 1 + c)[0]
         return Point(c, P * (1 + c) * g, P * g, P * c * g, P * (g * cell + fixed),
                      P * c * g * inp.lat, g,
@@ -427,17 +474,21 @@ def max_requests(inp: Inputs, system: str, history: int) -> tuple[int, int | Non
             pts.append((scale * r, x))
         return _best(pts)
     step = inp.draft_tokens * (inp.top_k + 1)  # GPU rows one request's decode step selects
-    if system == "ulacache_dp":
-        # per rank, with R running requests per rank charged: a prefill's tokens fit the GPU
-        # pool in its round, R requests' history fits both tiers, one step's selections the pool
+    if system in ("ulacache_dp", "ulacache_dp_whole"):
+        # per rank, with R running requests per rank charged: a prefill's new tokens (staged:
+        # a chunk; else the whole request) fit the GPU pool in its round, R requests' history
+        # fits both tiers, one step's selections the pool
+        staged = system == "ulacache_dp"
+        least = min(inp.chunk, S) if staged else S
+
         def fits_dp(r: int, c: int) -> bool:
-            g = ulacache_dp_pool(inp, c, r)
-            return g >= S and r * S <= (1 + c) * g and r * step <= g
+            g = ulacache_dp_pool(inp, c, r, staged)
+            return g >= least and r * S <= (1 + c) * g and r * step <= g
 
         def pool0(c: int) -> int:  # the least charge (no running request): an upper bound
-            return ulacache_dp_pool(inp, c, 0)
+            return ulacache_dp_pool(inp, c, 0, staged)
 
-        r, c = _most_requests(_ratios(0, pool0, S),
+        r, c = _most_requests(_ratios(0, pool0, least),
                               lambda c: min((1 + c) * pool0(c) // S, pool0(c) // step), fits_dp)
         return P * r, c
     if system in ("ulacache_tp_repl", "ulacache_tp_shard"):
@@ -564,7 +615,8 @@ def run(*, platforms: str = "h200,b300", models: str = "glm5,dsv32",
                 kv_gb = static[plat] - weights[model]
                 inp = Inputs(model, layout, plat, int(kv_gb * GB), int(host[plat] * GB),
                              device_buffer=device_buffer, draft_tokens=draft_tokens,
-                             running=running, min_gpu_tokens=max(lengths))
+                             running=running, min_gpu_tokens=max(lengths),
+                             chunk=PLATFORMS[plat].chunk)
                 logger.debug("%s %s %s: KV budget %.2f GB/GPU, host %.0f GB/GPU", plat, model,
                             layout, kv_gb, host[plat])
                 for system in systems:
@@ -614,5 +666,12 @@ def run(*, platforms: str = "h200,b300", models: str = "glm5,dsv32",
             "request_slots": "running + 1 in the capacity columns, admitted R + 1 per worker "
                              "in the concurrency columns"},
         "context_len": CONTEXT_LEN,
+        "prefill_rules": {
+            "whole": "the GPU pool holds one request of the longest length (its prefill in one "
+                     "round): HiSparse, ulacache TP8, ulacache DP8 with prefill_stage 0",
+            "staged": "ulacache DP8 (prefill_stage null, the default): the pool holds a chunk "
+                      "(SGLang's --chunked-prefill-size) and one decode step of the requests "
+                      "it is full of; a one-layer stage of context_len rows is charged",
+            "chunk": {k: p.chunk for k, p in PLATFORMS.items()}},
     }
     return {"assumptions": assumptions, "paper_checks": paper_checks(), "rows": rows}
