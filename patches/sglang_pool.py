@@ -310,12 +310,12 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
         gathers the table's distinct rows into the stage, from either tier, and the table
         indexes the stage (:class:`ulacache.prefill.PrefillStage`); nothing in the pool moves.
 
-        Otherwise it MUTATES on the group's anchor (first) layer: one access of the group on the table's
-        *distinct* addresses (``core.access_distinct``: at most what the allocator's
-        ``prefill_fits`` admitted, so a fixed-size call; TP: the ranks exchange those, not the
-        table) promotes the selected rows that sit in the CPU tier, once per group and
-        forward. Then every layer, the anchor included, translates the table without side
-        effects. The group's other layers share the anchor's selection (SGLang's
+        Otherwise it MUTATES on the group's anchor (first) layer: one access of the group on
+        the table's *distinct* addresses (``core.access_distinct``: at most what the
+        allocator's ``prefill_fits`` admitted, so a fixed-size call; TP: the ranks exchange
+        those, not the table) promotes the selected rows that sit in the CPU tier, once per
+        group and forward. Then every layer, the anchor included, translates the table
+        without side effects. The group's other layers share the anchor's selection (SGLang's
         ``skip_topk``); a row that is not GPU-resident there means the anchor did not run
         this round: :class:`StaleSelectionError` with validate on, ``-1`` (never another
         token's row) with it off.

@@ -114,8 +114,8 @@ def test_ulacache_dp_charge_is_the_sizing_hooks():
     formula's own figure;
     fixed: the tables' fixed bytes + the tail page (64 rows per layer) + the coordinator's
     output rows for 64 running requests + the padding row (61 groups x 65 x 2048 x 4 B + 65 x
-    8 B = 32,481,800 B) + the prefill stage (one layer, 163,968 rows of 656 B). The pool is SGLang's ``(D - fixed) // cell`` in whole pages. The
-    figures move with the ratio."""
+    8 B = 32,481,800 B) + the prefill stage (one layer, 163,968 rows of 656 B). The pool is
+    SGLang's ``(D - fixed) // cell`` in whole pages. The figures move with the ratio."""
     from ulacache.sizing import table_bytes_per_slot
 
     inp = inputs("dsv32", "fp8", host_gb=10**6)
