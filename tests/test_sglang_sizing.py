@@ -8,8 +8,9 @@ layer, top-k sharing pattern ``FSFF``: selection groups ``[0, 1], [2], [3]``):
   and sizes the pool from one byte budget;
 - DP: ulacache's real pool is built at the hooked token count ``N`` (through the pool-build
   hook, so with the groups and the prefill stage it really builds) beside SGLang's stock
-  HiSparse pool at the same ``N``; every device byte ulacache's pool allocates beyond the stock pool's must be what the
-  hook charged, and the tables alone must be within the core formula's bound.
+  HiSparse pool at the same ``N``; every device byte ulacache's pool allocates beyond the
+  stock pool's must be what the hook charged, and the tables alone must be within the core
+  formula's bound.
 
 Checked here: the cell grows by exactly the core's per-token table bytes
 (``ulacache.sizing.table_bytes_per_slot`` for the groups of SGLang's own pattern) less the
