@@ -244,17 +244,19 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
 
     def _build_stage(self) -> PrefillStage | None:
         """The DP prefill stage over the tensor :meth:`_create_buffers` allocated, or ``None``
-        (TP mode; ``prefill_stage`` 0; a chunk that could not be placed in the pool: SGLang's
-        ``--chunked-prefill-size`` larger than the pool, so a staged batch's new tokens might
-        not fit, and every prefill batch must fit the pool as without a stage)."""
+        (TP mode; ``prefill_stage`` 0; no chunk bound the pool holds: SGLang's resolved
+        ``--chunked-prefill-size`` unknown, off, or larger than the pool, so a staged batch's
+        new tokens might not fit the pool, which they must; then every prefill batch must fit
+        the pool, as without a stage)."""
         if self._stage_storage is None:
             return None
         chunk = chunked_prefill_size()
         G = self.core.config.gpu_slots
-        if chunk is not None and chunk > G:
-            logger.warning("ulacache: prefill stage off: --chunked-prefill-size %d exceeds the "
-                           "GPU pool (%d slots), which must hold a chunk's new tokens; every "
-                           "prefill batch must fit the pool", chunk, G)
+        if chunk is None or chunk > G:
+            logger.warning("ulacache: prefill stage off: a staged prefill places a whole chunk "
+                           "in the GPU pool (%d slots), and --chunked-prefill-size is %s; every "
+                           "prefill batch must fit the pool", G,
+                           "off or unknown" if chunk is None else f"{chunk}, larger")
             return None
         return PrefillStage(self.core, self.ula_plan.stage_tokens, self._stage_storage,
                             row_base=self.page_size)

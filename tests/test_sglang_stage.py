@@ -121,10 +121,13 @@ def test_tp_mode_has_no_stage():
     assert stage_tokens(SGLangOptions(), None) == 0
 
 
-def test_a_chunk_larger_than_the_pool_turns_the_stage_off(monkeypatch, caplog):
+@pytest.mark.parametrize("chunk", [POOL + 1, None], ids=["larger-than-the-pool", "off"])
+def test_a_chunk_the_pool_may_not_hold_turns_the_stage_off(monkeypatch, caplog, chunk):
+    """Without a chunk bound the pool holds, a staged batch's new tokens could outgrow the
+    pool after admission (SGLang's "Prefill out of memory"): no stage, the old rule."""
     from ulacache.patches import sglang_pool
 
-    monkeypatch.setattr(sglang_pool, "chunked_prefill_size", lambda: POOL + 1)
+    monkeypatch.setattr(sglang_pool, "chunked_prefill_size", lambda: chunk)
     h = Harness(False, n_slots=POOL, prefill_stage=STAGE)
     assert h.pool.ula_stage is None and "prefill stage off" in caplog.text
     assert not h.alloc.prefill_fits([POOL + 1])
