@@ -762,6 +762,9 @@ ASSUMPTIONS = [
      "; HiSparse's uncharged maps (printed) come out of the headroom, which favours HiSparse"),
     ("Each side tuned on seed 0 (HiSparse H and x, ulacache c), its best tuning rerun on the "
      "other seeds", "neither"),
+    ("ulacache's pool is charged its prefill stage (what ships: one layer of context_len rows), "
+     "but admission still holds a prefill batch's prompts to the GPU pool, as without a stage "
+     "(a batch past the pool waits instead of being staged)", "HiSparse"),
     ("Admission: SGLang 0.5.23's prefill budget and decode-room check for both (new-token ratio "
      "0.7 decaying to 0.098 over 600 steps, reset by a retraction); a retracted request "
      "re-queues with its progress and its re-prefill is not timed (the `retracted` column "

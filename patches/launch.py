@@ -225,13 +225,21 @@ def stage_tokens(opts: SGLangOptions, context_len: int | None) -> int:
 
 
 def chunked_prefill_size() -> int | None:
-    """SGLang's ``--chunked-prefill-size`` as resolved for this launch (``None``: unknown, or
-    chunked prefill off)."""
+    """SGLang's ``--chunked-prefill-size`` as its scheduler reads it (``get_schedule()``,
+    ``scheduler.py:1352``; resolved by ``arg_groups/memory_hook.py``), else the published
+    server args'; ``None``: unknown, or chunked prefill off (``<= 0``)."""
+    size = None
     try:
-        from sglang.srt.runtime_context import get_server_args
+        from sglang.srt.runtime_context import get_schedule, get_server_args
 
-        size = getattr(get_server_args(), "chunked_prefill_size", None)
-    except (ImportError, ValueError):  # no server args published (tests, tools)
+        for source in (get_schedule, get_server_args):
+            try:
+                size = getattr(source(), "chunked_prefill_size", None)
+            except (ValueError, KeyError, AttributeError):  # not published in this process
+                continue
+            if size is not None:
+                break
+    except ImportError:
         return None
     return int(size) if size is not None and int(size) > 0 else None
 

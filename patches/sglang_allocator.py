@@ -159,7 +159,7 @@ class UlaCacheTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         them all (DP; :class:`ulacache.prefill.PrefillStage`). :meth:`alloc_extend` refuses
         exactly what this refuses (and a staged batch whose new tokens outgrow the pool, which
         SGLang's chunk size, at most the pool when the stage is on, rules out)."""
-        stage = self._kvcache.ula_stage
+        stage = self._kvcache.usable_stage()
         return self.core.prefill_fits(seq_lens) or (stage is not None and stage.fits(seq_lens))
 
     def max_new_tokens_for_memory(self, input_tokens: int, max_new_tokens: int, *,

@@ -243,29 +243,52 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
                               row_offset=rows.row_base)
 
     def _build_stage(self) -> PrefillStage | None:
-        """The DP prefill stage over the tensor :meth:`_create_buffers` allocated, or ``None``
-        (TP mode; ``prefill_stage`` 0; no chunk bound the pool holds: SGLang's resolved
-        ``--chunked-prefill-size`` unknown, off, or larger than the pool, so a staged batch's
-        new tokens might not fit the pool, which they must; then every prefill batch must fit
-        the pool, as without a stage)."""
+        """The DP prefill stage over the tensor :meth:`_create_buffers` allocated (``None``: TP
+        mode, or ``prefill_stage`` 0). Whether it may be used is :meth:`usable_stage`."""
         if self._stage_storage is None:
             return None
-        chunk = chunked_prefill_size()
-        G = self.core.config.gpu_slots
-        if chunk is None or chunk > G:
-            logger.warning("ulacache: prefill stage off: a staged prefill places a whole chunk "
-                           "in the GPU pool (%d slots), and --chunked-prefill-size is %s; every "
-                           "prefill batch must fit the pool", G,
-                           "off or unknown" if chunk is None else f"{chunk}, larger")
-            return None
+        self._stage_verdict: bool | None = None
         return PrefillStage(self.core, self.ula_plan.stage_tokens, self._stage_storage,
                             row_base=self.page_size)
+
+    def usable_stage(self) -> PrefillStage | None:
+        """The prefill stage, when a staged batch's new tokens are sure to fit the pool:
+        SGLang's resolved ``--chunked-prefill-size`` (read when first needed, since a launch
+        resolves it after the pool is built) plus a page of rounding slack is at most the
+        pool. ``None`` otherwise (chunked prefill off or not yet known: asked again next time;
+        larger than the pool: off for good): every prefill batch must then fit the pool, as
+        without a stage."""
+        stage = self.ula_stage
+        if stage is None:
+            return None
+        if self._stage_verdict is None:
+            chunk = chunked_prefill_size()
+            G = self.core.config.gpu_slots
+            if chunk is None:
+                if not getattr(self, "_stage_unknown_noted", False):
+                    self._stage_unknown_noted = True
+                    logger.warning("ulacache: prefill stage unused while --chunked-prefill-size "
+                                   "is off or unknown (a staged prefill places a whole chunk "
+                                   "in the GPU pool of %d slots)", G)
+                return None
+            self._stage_verdict = chunk + self.page_size <= G
+            if self._stage_verdict:
+                logger.info("ulacache: prefill stage of %d tokens (%.1f MiB, one layer): a "
+                            "prefill batch longer than the GPU pool (%d slots; chunks of at "
+                            "most %d) reads its selections from it", stage.capacity,
+                            self._stage_storage.nbytes / 2**20, G, chunk)
+            else:
+                logger.warning("ulacache: prefill stage off: --chunked-prefill-size %d (+ a page "
+                               "of rounding) exceeds the GPU pool (%d slots), which must hold a "
+                               "staged prefill's chunk; every prefill batch must fit the pool",
+                               chunk, G)
+        return stage if self._stage_verdict else None
 
     def staged(self, seq_lens: list[int]) -> bool:
         """Whether a prefill batch of requests reaching these lengths is served through the
         stage: it has one and the batch does not fit one round of the pool. The allocator's
         admission and the forward_extend hook ask the same question of the same lengths."""
-        return self.ula_stage is not None and not self.core.prefill_fits(seq_lens)
+        return self.usable_stage() is not None and not self.core.prefill_fits(seq_lens)
 
     def get_key_buffer(self, layer_id: int):
         """``kv_buffer[layer]``, or while a staged prefill batch runs its attention, the stage

@@ -1,13 +1,16 @@
 """ulacache in a real SGLang 0.5.23 server on CPU, the other modes: GLM-5's architecture
 (GlmMoeDsaForCausalLM) with ``validate: true`` (host checks on every step), against SGLang's
-stock pool serving the same model; TP mode is in test_sglang_server_tp.py (it uses this file's
-``_pair`` and ``TP_ENV``). See test_sglang_server.py for the harness, the stand-ins and why
-token identity is checked on batches both servers run alike.
+stock pool serving the same model; the DP prefill stage (a prompt 2.5x the GPU pool, served
+in 64-token chunks, against the stock pool at the same chunk size); TP mode is in
+test_sglang_server_tp.py (it uses this file's ``_pair`` and ``TP_ENV``). See
+test_sglang_server.py for the harness, the stand-ins and why token identity is checked on
+batches both servers run alike.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -24,12 +27,14 @@ from tests.test_sglang_server import (  # noqa: E402
     BATCH,
     COMMON,
     CPU_RATIO,
+    GPU_TOKENS,
     LONG,
     STOCK,
     ULA,
     _start,
     generate,
     metric,
+    prompt,
     tokens,
 )
 
@@ -81,3 +86,39 @@ def test_glm5_with_validate_matches_the_stock_pool(glm):
     assert tokens(generate(run.srv, BATCH, NEW_BATCH)) == ref["batch"]
     text = run.metrics()
     assert metric(text, "ulacache_promotions") > 0 and metric(text, "ulacache_invalid") == 0
+
+
+STAGED_PROMPT = prompt(800, 31)  # 2.5x the 320-token GPU pool; the stage holds 4,096 (context)
+
+
+@pytest.fixture(scope="module")
+def staged(tmp):
+    """The DSA model, both servers at --chunked-prefill-size 64 (the same chunks: the same
+    arithmetic); ulacache's pool of 320 tokens can hold such a chunk, so its prefill stage is
+    on (the model's context length, 4,096 tokens)."""
+    model = write_model(tmp / "staged", "DeepseekV32ForCausalLM")
+    chunk = ["--chunked-prefill-size", "64"]
+    stock = _start(tmp, "staged-stock", model, COMMON + STOCK + chunk)
+    try:
+        ref = tokens(generate(stock.srv, STAGED_PROMPT, 24))
+    finally:
+        stock.srv.stop()
+    run = _start(tmp, "staged-ula", model, COMMON + ULA + chunk + [
+        "--ulacache-config", json.dumps({"cpu_ratio": CPU_RATIO, "validate": True})])
+    yield ref, run
+    run.srv.stop()
+    checks, failures = run.integrity()
+    assert checks > 0 and not failures, failures[:3]
+
+
+def test_a_prompt_longer_than_the_gpu_pool_is_served_through_the_prefill_stage(staged):
+    """Without the stage this prompt is refused ("exceeds the KV memory budget",
+    test_sglang_server.py); with it, the chunks past the pool read their selections from the
+    stage and the decode promotes the spilled rows: the stock pool's tokens."""
+    ref, run = staged
+    assert len(STAGED_PROMPT) > 2 * GPU_TOKENS
+    assert "ulacache: prefill stage of 4096 tokens" in Path(run.srv.log_path).read_text()
+    assert tokens(generate(run.srv, STAGED_PROMPT, 24)) == ref
+    text = run.metrics()
+    assert metric(text, "ulacache_spills") > 0 and metric(text, "ulacache_promotions") > 0
+    assert metric(text, "ulacache_invalid") == 0

@@ -34,7 +34,7 @@ def staged_harness(monkeypatch):
 def test_a_request_four_times_the_pool_prefills_through_the_stage_and_decodes(validate,
                                                                               staged_harness):
     h = staged_harness(validate=validate)
-    assert h.pool.ula_stage is not None and h.pool.ula_stage.capacity == STAGE
+    assert h.pool.usable_stage() is not None and h.pool.ula_stage.capacity == STAGE
     h.prefill(1, 1300, chunk=128)  # 4x the pool: from the third chunk on, staged
     assert h.staged_chunks == 11 - 2
     promoted = h.pool.core.counters()[0]["promotions"]
@@ -72,7 +72,8 @@ def test_admission_counts_the_stage_and_refuses_what_it_cannot_hold(staged_harne
 
 def test_without_a_stage_the_long_request_is_refused_as_before():
     h = Harness(False, n_slots=POOL)  # a pool built outside SGLang's call site: no stage
-    assert h.pool.ula_stage is None and not h.alloc.prefill_fits([POOL + 1])
+    assert h.pool.ula_stage is None and h.pool.usable_stage() is None
+    assert not h.alloc.prefill_fits([POOL + 1])
 
 
 def test_the_forward_extend_hook_stages_long_batches_only_and_always_resets(staged_harness):
@@ -129,5 +130,8 @@ def test_a_chunk_the_pool_may_not_hold_turns_the_stage_off(monkeypatch, caplog, 
 
     monkeypatch.setattr(sglang_pool, "chunked_prefill_size", lambda: chunk)
     h = Harness(False, n_slots=POOL, prefill_stage=STAGE)
-    assert h.pool.ula_stage is None and "prefill stage off" in caplog.text
-    assert not h.alloc.prefill_fits([POOL + 1])
+    assert h.pool.usable_stage() is None and not h.alloc.prefill_fits([POOL + 1])
+    assert ("prefill stage off" if chunk else "prefill stage unused") in caplog.text
+    if chunk is None:  # known later (a launch resolves it after the pool is built): used
+        monkeypatch.setattr(sglang_pool, "chunked_prefill_size", lambda: 128)
+        assert h.pool.usable_stage() is h.pool.ula_stage and h.alloc.prefill_fits([POOL + 1])
