@@ -9,6 +9,8 @@
     python tests/mutants.py pieces     # calls over the scratch (test_core, test_fused_access)
     python tests/mutants.py distinct   # a prefill table's distinct-address access
     python tests/mutants.py shadows fused_shadows  # evictions without write-back
+    python tests/mutants.py prefill    # a prefill longer than the pool (rounds, the stage)
+    .venv-sglang/bin/python tests/mutants.py sglang_stage  # the stage's SGLang seam
 
 Copies the repository to a temporary directory, applies each mutant below (one line of the core
 changed the way a tired engineer might), runs the core tests there twice with the derandomized
@@ -311,6 +313,46 @@ INTERFACE_MUTANTS = [  # the mode differences the seam asks the core, and the po
      "pool rows rounded down: the scratch row or buffer cut off"),
 ]
 
+PREFILL_TESTS = ["tests/test_prefill.py"]
+PRE, DRV = "ulacache/prefill.py", "ulacache/oracle/driver.py"
+PREFILL_MUTANTS = [  # a prefill longer than the pool: rounds of query spans, or the stage
+    (PRE, "            if space.round_fits(addrs[start:mid]):",
+     "            if space.round_fits(addrs[start:mid + 1]):",
+     "bisection keeps a span one too long"),
+    (H, "        return flat[flat >= 0].unique().numel() <= self.config.gpu_slots",
+     "        return flat[flat >= 0].unique().numel() < self.config.gpu_slots",
+     "DP round_fits refuses a span that exactly fills the pool"),
+    (TPF, "distinct.numel() - int(own.min()) <= self.buffer_slots",
+     "distinct.numel() - int(own.max()) <= self.buffer_slots",
+     "TP round_fits counts the peers' rows of the rank owning most"),
+    (DRV, "            space.begin_round()\n            out[a:b]", "            out[a:b]",
+     "spans served in one round (the earlier spans' rows stay pinned)"),
+    (PRE, "pos = torch.searchsorted(distinct, torch.where(keep, flat, 0))",
+     "pos = torch.searchsorted(distinct, torch.where(keep, flat, 0), right=True)",
+     "stage rows off by one"),
+    (PRE, "        keep = flat >= first\n", "        keep = flat >= 0\n",
+     "the engine's sink entries staged as rows"),
+    (G, "gather_rows(self.pools.cpu[li: li + 1], torch.where(on_cpu, phys - G, -1), dst,",
+     "gather_rows(self.pools.cpu[li: li + 1], torch.where(on_cpu, phys, -1), dst,",
+     "stage reads CPU rows at their mapping entry, not their CPU slot"),
+    (PRE, "dst = self.row_base + torch.arange(n, device=self.space.device)",
+     "dst = torch.arange(n, device=self.space.device)",
+     "stage writes over the engine's rows below row_base"),
+]
+SGLANG_STAGE_TESTS = ["tests/test_sglang_stage.py"]  # run with the SGLang venv's python
+SGLANG_STAGE_MUTANTS = [  # the SGLang seam of the prefill stage
+    ("patches/classes.py", "batch.forward_mode.is_target_verify() or", "False or",
+     "a verify batch is staged"),
+    ("patches/sglang_allocator.py",
+     "if not self.prefill_fits(lens) or not self.core.prefill_fits(new):",
+     "if not self.prefill_fits(lens):", "a staged batch's new tokens may outgrow the pool"),
+    ("patches/sglang_pool.py", "self._stage_verdict = chunk + self.page_size <= G",
+     "self._stage_verdict = chunk <= G", "no page of slack for a chunk's rounding"),
+    ("patches/sglang_pool.py",
+     "return self.usable_stage() is not None and not self.core.prefill_fits(seq_lens)",
+     "return self.usable_stage() is not None", "every prefill batch staged"),
+]
+
 CONFTEST = '''
 from hypothesis import Phase
 settings.register_profile("mutation", derandomize=True, deadline=None,
@@ -337,6 +379,8 @@ def main() -> int:
                   "pieces": [(*m, PIECES_TESTS) for m in PIECES_MUTANTS],
                   "distinct": [(*m, DISTINCT_TESTS) for m in DISTINCT_MUTANTS],
                   "interface": [(*m, INTERFACE_TESTS) for m in INTERFACE_MUTANTS],
+                  "prefill": [(*m, PREFILL_TESTS) for m in PREFILL_MUTANTS],
+                  "sglang_stage": [(*m, SGLANG_STAGE_TESTS) for m in SGLANG_STAGE_MUTANTS],
                   "shadows": [(*m, SHADOW_TESTS) for m in SHADOW_MUTANTS],
                   "fused_shadows": [(*m, FUSED_SHADOW_TESTS) for m in FUSED_SHADOW_MUTANTS]}
         chosen = sys.argv[1:] or list(suites)

@@ -122,7 +122,8 @@ def test_tp_mode_has_no_stage():
     assert stage_tokens(SGLangOptions(), None) == 0
 
 
-@pytest.mark.parametrize("chunk", [POOL + 1, None], ids=["larger-than-the-pool", "off"])
+@pytest.mark.parametrize("chunk", [POOL + 1, POOL - 32, None],
+                         ids=["larger-than-the-pool", "no-page-of-slack", "off"])
 def test_a_chunk_the_pool_may_not_hold_turns_the_stage_off(monkeypatch, caplog, chunk):
     """Without a chunk bound the pool holds, a staged batch's new tokens could outgrow the
     pool after admission (SGLang's "Prefill out of memory"): no stage, the old rule."""
