@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from .errors import CapacityExhausted, ShapeError
+from .errors import AddressError, CapacityExhausted, ShapeError
+from .group import NO_CLAIM, distinct_addresses
 
 
 def round_spans(space, addrs: torch.Tensor) -> list[tuple[int, int]]:
@@ -110,18 +111,37 @@ class PrefillStage:
         """Gather ``layer``'s rows of the distinct addresses in ``table`` (any shape; entries
         below ``first``, ``-1`` included, are padding) into the stage; ``int64`` (table's
         shape) rows of ``storage`` (``row_base + i`` for the ``i``-th distinct address in
-        ascending order), ``-1`` at padding. Synchronises (the distinct count);
-        :class:`CapacityExhausted` before anything moves when they outnumber the stage."""
-        flat = table.reshape(-1).to(self.space.device, torch.int64)
-        keep = flat >= first
-        distinct = flat[keep].unique()  # sorted
-        n = distinct.numel()
-        if n > self.capacity:
-            raise CapacityExhausted(f"a prefill layer selects {n} distinct rows; the prefill "
-                                    f"stage holds {self.capacity}")
-        dst = self.row_base + torch.arange(n, device=self.space.device)
-        from_cpu = self.space.gather(layer, distinct, self.storage, dst)
-        pos = torch.searchsorted(distinct, torch.where(keep, flat, 0))
-        self.staged_rows += n
+        ascending order), ``-1`` at padding. :class:`CapacityExhausted` before anything moves
+        when they outnumber the stage; :class:`AddressError` for an address out of range or
+        not live.
+
+        Temporaries stay ``O(capacity + piece)`` whatever the table's size (a prefill chunk of
+        8K queries at top-k 2048 is 2^24 entries): the distinct addresses are marked in the
+        space's claim table (:func:`ulacache.group.distinct_addresses`), each is given its
+        stage row there, and the table is translated through it in pieces of the space's
+        ``call_capacity`` entries; the claim table is clean again on return. Synchronises (the
+        distinct count and the gather's checks)."""
+        space = self.space
+        claim, n = space.claim_table, space.n_logical
+        piece = space.config.call_capacity
+        found, n_distinct, bad = distinct_addresses(claim, table, self.capacity, first=first,
+                                                    piece=piece)
+        if int(bad):
+            raise AddressError(f"stage: {int(bad)} table entries out of range [0, {n})")
+        if int(n_distinct) > self.capacity:
+            raise CapacityExhausted(f"a prefill layer selects {int(n_distinct)} distinct rows; "
+                                    f"the prefill stage holds {self.capacity}")
+        dst = self.row_base + torch.arange(self.capacity, device=found.device)
+        from_cpu = space.gather(layer, found, self.storage, torch.where(found >= 0, dst, -1))
+        valid = found >= 0
+        safe = torch.where(valid, found, n)
+        claim.index_copy_(0, safe, torch.where(valid, dst, NO_CLAIM))  # address -> stage row
+        out = torch.empty(table.shape, dtype=torch.int64, device=found.device)
+        for src, rows in zip(table.reshape(-1).split(piece), out.view(-1).split(piece)):
+            src = src.to(found.device, torch.int64)
+            keep = (src >= first) & (src < n)
+            rows.copy_(torch.where(keep, claim[torch.where(keep, src, n)], -1))
+        claim.index_fill_(0, safe, NO_CLAIM)
+        self.staged_rows += int(n_distinct)
         self.staged_from_cpu += int(from_cpu)
-        return torch.where(keep, self.row_base + pos, -1).view(table.shape)
+        return out
