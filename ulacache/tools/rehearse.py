@@ -391,6 +391,27 @@ def drive(plan: Plan, out: dict, ledger: Ledger, pool, alloc, coord, R: int, K: 
         coord.admit_request_into_staging(req)
         coord.collect_ready_reqs()
         del locs  # SGLang keeps out_cache_loc in the batch; not ulacache's
+    stage = pool.usable_stage()
+    if stage is not None:  # DP: the same chunk at the end of the longest request the stage
+        # holds, its table's selections gathered into the stage layer by layer
+        P = stage.capacity - T
+        with _phase(out, ledger, "staged prefill"):
+            locs = alloc.alloc_extend(torch.full((1,), P, **i64), cpu(P),
+                                      torch.full((1,), P + T, **i64), cpu(P + T),
+                                      torch.full((1,), -1, **i64), T)
+            if locs is None:
+                raise RehearsalFailed(f"a staged prefill chunk of {T} tokens after {P} is "
+                                      "refused by the allocator")
+            pool.staging = True  # what the forward_extend hook sets for this batch
+            try:
+                for layer in prefill_layers(plan, L):
+                    pool.rows_of(layer, locs)
+                    pool.current_layer_id = layer
+                    pool.get_key_buffer(layer)
+                    pool.translate_loc_to_hisparse_device(table)
+            finally:
+                pool.staging = False
+            del locs
     del table
 
     ri = torch.arange(R, **i64)
