@@ -337,9 +337,14 @@ PREFILL_MUTANTS = [  # a prefill longer than the pool: rounds of query spans, or
      "stage writes over the engine's rows below row_base"),
     (PRE, "        claim.index_fill_(0, safe, NO_CLAIM)\n", "",
      "the claim table left dirty after staging"),
-    (PRE, "rows.copy_(torch.where(keep, claim[torch.where(keep, src, n)], -1))",
-     "rows.copy_(torch.where(keep, claim[torch.where(keep, src, n)] + 1, -1))",
-     "stage rows off by one"),
+    (PRE, "            got = claim[torch.where(keep, src, n)]\n",
+     "            got = claim[torch.where(keep, src, n)] + 1\n", "stage rows off by one"),
+    (PRE, "rows.copy_(torch.where(keep & (got != NO_CLAIM), got, -1))",
+     "rows.copy_(torch.where(keep, got, -1))",
+     "production: an address the stage could not take indexes past it"),
+    (G, "        return on_cpu.sum(), (phys >= 0) & (dst_rows >= 0)",
+     "        return on_cpu.sum(), dst_rows >= 0",
+     "production: a dead address counted as gathered (its stage row stale)"),
 ]
 SGLANG_STAGE_TESTS = ["tests/test_sglang_stage.py"]  # run with the SGLang venv's python
 SGLANG_STAGE_MUTANTS = [  # the SGLang seam of the prefill stage

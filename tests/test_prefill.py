@@ -199,3 +199,34 @@ def test_stage_gathers_what_read_returns_and_refuses_unchanged():
         PrefillStage(space, 0)
     with pytest.raises(ShapeError):
         PrefillStage(space, 10, storage=torch.zeros((1, 5, geom.row_bytes), dtype=torch.uint8))
+
+
+def test_production_stage_reads_nothing_back_and_never_serves_another_tokens_row():
+    """Validate off: no host read; distinct addresses past the stage's capacity, and addresses
+    not live, come back -1 (attention skips them), and every row served is its own."""
+    geom = ModelGeometry.tiny(layout="fp8")
+    cfg = dp_config(geom, gpu_slots=64, cpu_slots=256, validate=False)
+    space = AddressSpace(cfg, n_logical=512, layer_groups=geom.selection_groups())
+    gen = torch.Generator().manual_seed(5)
+    live = torch.randperm(512, generator=gen)[:250]
+    for piece in live.split(50):
+        space.begin_round()
+        space.place(piece)
+    rows = torch.randint(0, 256, (250, geom.row_bytes), dtype=torch.uint8, generator=gen)
+    space.write(1, live, rows)
+    dead = torch.tensor([a for a in range(512) if a not in set(live.tolist())][:20])
+    table = torch.cat((live[:120], dead)).view(4, 35)
+    stage = PrefillStage(space, 100)  # 120 live distinct addresses: 20 past the capacity
+    before = space.counters()
+    got = stage.stage(1, table)
+    flat, out = table.view(-1), got.view(-1)
+    served = out >= 0
+    # the stage takes the 100 smallest distinct addresses; of those, the live ones are served
+    taken = set(table.unique()[:100].tolist()) - set(dead.tolist())
+    assert set(flat[served].tolist()) == taken and stage.staged_rows == len(taken) > 50
+    assert not bool(torch.isin(flat[served], dead).any())  # dead addresses: -1
+    want = {int(a): rows[i] for i, a in enumerate(live.tolist())}
+    for a, r in zip(flat[served].tolist(), out[served].tolist()):
+        assert torch.equal(stage.storage[0, r], want[a])
+    assert space.counters() == before
+    space.check_integrity()

@@ -645,19 +645,22 @@ class SelectionGroup:
         return torch.where(on_gpu.view(1, -1, 1), gpu, cpu)
 
     def gather(self, layer: int, addrs: torch.Tensor, dst: torch.Tensor,
-               dst_rows: torch.Tensor) -> torch.Tensor:
+               dst_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy one ``layer``'s rows of live ``addrs int [n]`` (``-1`` skipped) into
         ``dst uint8 [1, R + 1, row_bytes]`` at ``dst_rows int64 [n]`` (last row: scratch), from
         whichever tier holds each (GPU rows device to device, CPU rows host to device): no
-        promotion, no eviction, nothing of the group changes. Returns a 0-dim count of the
-        rows read from the CPU tier. Host-checked (a prefill's staging)."""
+        promotion, no eviction, nothing of the group changes. Returns ``(from_cpu, gathered)``:
+        a 0-dim count of the rows read from the CPU tier and ``bool [n]``, which entries were
+        copied. With validate on, an address out of range or not live raises
+        (:class:`AddressError`, host-checked); off (and on the meta device), such entries are
+        skipped, ``gathered`` False, with no host read."""
         li = self._li(layer)
         flat = self._index_tensor(addrs, "gather: addrs")
-        if self.device.type == "meta":  # a rehearsal: shapes only, no host check possible
+        if self._checking() and self.device.type != "meta":
+            phys = self._resolve(flat, "gather", distinct=False)
+        else:
             inrange, safe = self._range(flat)
             phys = torch.where(inrange, self._slots_of(safe), -1)
-        else:
-            phys = self._resolve(flat, "gather", distinct=False)
         G = self.gpu_slots
         on_gpu, on_cpu = (phys >= 0) & (phys < G), phys >= G
         dst_rows = dst_rows.to(self.device, torch.int64)
@@ -665,7 +668,7 @@ class SelectionGroup:
                     torch.where(on_gpu, dst_rows, -1))
         gather_rows(self.pools.cpu[li: li + 1], torch.where(on_cpu, phys - G, -1), dst,
                     torch.where(on_cpu, dst_rows, -1))
-        return on_cpu.sum()
+        return on_cpu.sum(), (phys >= 0) & (dst_rows >= 0)
 
     def _resolve(self, flat: torch.Tensor, what: str, distinct: bool = True) -> torch.Tensor:
         """Physical places of addresses that must all be live (``-1`` -> ``-1``)."""

@@ -81,8 +81,8 @@ class PrefillStage:
 
     ``storage``: ``uint8 [1, row_base + capacity + 1, row_bytes]`` (last row scratch; rows
     below ``row_base`` are the engine's, e.g. SGLang's sink page) on the space's device, or
-    ``None`` to allocate it. ``staged_rows`` / ``staged_from_cpu`` count rows gathered (host
-    ints, every layer).
+    ``None`` to allocate it. ``staged_rows`` / ``staged_from_cpu`` count rows gathered (every
+    layer; kept on the device).
     """
 
     def __init__(self, space, capacity: int, storage: torch.Tensor | None = None,
@@ -100,50 +100,66 @@ class PrefillStage:
                              f"{storage.dtype} {tuple(storage.shape)}")
         self.space, self.capacity, self.row_base = space, capacity, row_base
         self.storage = storage
-        self.staged_rows = self.staged_from_cpu = 0
+        # rows gathered and of which from the CPU tier, every layer: on the device, so staging
+        # reads nothing back (staged_rows / staged_from_cpu read it)
+        self._staged = torch.zeros(2, dtype=torch.int64, device=storage.device)
 
     def fits(self, seq_lens: list[int]) -> bool:
         """Whether a prefill batch of requests reaching these lengths can be staged whatever
         it selects: their tokens fit the stage. Host-side, from lengths alone."""
         return sum(seq_lens) <= self.capacity
 
+    @property
+    def staged_rows(self) -> int:
+        """Rows gathered so far, every layer (a host read)."""
+        return int(self._staged[0])
+
+    @property
+    def staged_from_cpu(self) -> int:
+        """Of which from the CPU tier (a host read)."""
+        return int(self._staged[1])
+
     def stage(self, layer: int, table: torch.Tensor, first: int = 0) -> torch.Tensor:
         """Gather ``layer``'s rows of the distinct addresses in ``table`` (any shape; entries
         below ``first``, ``-1`` included, are padding) into the stage; ``int64`` (table's
         shape) rows of ``storage`` (``row_base + i`` for the ``i``-th distinct address in
-        ascending order), ``-1`` at padding. :class:`CapacityExhausted` before anything moves
-        when they outnumber the stage; :class:`AddressError` for an address out of range or
-        not live.
+        ascending order), ``-1`` at padding.
+
+        With the space's validate on: :class:`CapacityExhausted` before anything moves when
+        the distinct addresses outnumber the stage, :class:`AddressError` for an address out
+        of range or not live (host reads). Off (production), nothing is read back to the host:
+        such entries, and distinct addresses past the stage's capacity, come back ``-1``
+        (attention skips them), never another token's row; the engine's admission keeps a
+        batch within the stage (``PrefillStage.fits``).
 
         Temporaries stay ``O(capacity + piece)`` whatever the table's size (a prefill chunk of
         8K queries at top-k 2048 is 2^24 entries): the distinct addresses are marked in the
         space's claim table (:func:`ulacache.group.distinct_addresses`), each is given its
         stage row there, and the table is translated through it in pieces of the space's
-        ``call_capacity`` entries; the claim table is clean again on return. Synchronises (the
-        distinct count and the gather's checks)."""
+        ``call_capacity`` entries; the claim table is clean again on return."""
         space = self.space
         claim, n = space.claim_table, space.n_logical
         piece = space.config.call_capacity
         found, n_distinct, bad = distinct_addresses(claim, table, self.capacity, first=first,
                                                     piece=piece)
-        meta = found.device.type == "meta"  # a rehearsal (ulacache rehearse): shapes only
-        if not meta and int(bad):
-            raise AddressError(f"stage: {int(bad)} table entries out of range [0, {n})")
-        if not meta and int(n_distinct) > self.capacity:
-            raise CapacityExhausted(f"a prefill layer selects {int(n_distinct)} distinct rows; "
-                                    f"the prefill stage holds {self.capacity}")
+        if space.validate and found.device.type != "meta":  # meta: a rehearsal, shapes only
+            if int(bad):
+                raise AddressError(f"stage: {int(bad)} table entries out of range [0, {n})")
+            if int(n_distinct) > self.capacity:
+                raise CapacityExhausted(f"a prefill layer selects {int(n_distinct)} distinct "
+                                        f"rows; the prefill stage holds {self.capacity}")
         dst = self.row_base + torch.arange(self.capacity, device=found.device)
-        from_cpu = space.gather(layer, found, self.storage, torch.where(found >= 0, dst, -1))
-        valid = found >= 0
-        safe = torch.where(valid, found, n)
-        claim.index_copy_(0, safe, torch.where(valid, dst, NO_CLAIM))  # address -> stage row
+        from_cpu, gathered = space.gather(layer, found, self.storage,
+                                          torch.where(found >= 0, dst, -1))
+        safe = torch.where(found >= 0, found, n)
+        # address -> its stage row; NO_CLAIM for what was not gathered (and the scratch entry)
+        claim.index_copy_(0, safe, torch.where(gathered, dst, NO_CLAIM))
         out = torch.empty(table.shape, dtype=torch.int64, device=found.device)
         for src, rows in zip(table.reshape(-1).split(piece), out.view(-1).split(piece)):
             src = src.to(found.device, torch.int64)
             keep = (src >= first) & (src < n)
-            rows.copy_(torch.where(keep, claim[torch.where(keep, src, n)], -1))
+            got = claim[torch.where(keep, src, n)]
+            rows.copy_(torch.where(keep & (got != NO_CLAIM), got, -1))
         claim.index_fill_(0, safe, NO_CLAIM)
-        if not meta:
-            self.staged_rows += int(n_distinct)
-            self.staged_from_cpu += int(from_cpu)
+        self._staged += torch.stack((gathered.sum(), from_cpu)).to(self._staged.device)
         return out

@@ -256,10 +256,10 @@ class AddressSpace:
             return g.read(layer, self.checked_addresses(addrs, "read: addrs"))
 
     def gather(self, layer: int, addrs: torch.Tensor, dst: torch.Tensor,
-               dst_rows: torch.Tensor) -> torch.Tensor:
+               dst_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy one layer's rows of live ``addrs`` into ``dst uint8 [1, R + 1, row_bytes]`` at
-        ``dst_rows`` from whichever tier holds them, changing nothing (see
-        :meth:`SelectionGroup.gather`); 0-dim count of rows read from the CPU tier."""
+        ``dst_rows`` from whichever tier holds them, changing nothing; ``(from_cpu, gathered)``
+        (see :meth:`SelectionGroup.gather`)."""
         g = self.group_of(layer)
         with self.stream.scope():
             return g.gather(layer, self.checked_addresses(addrs, "gather: addrs"), dst,

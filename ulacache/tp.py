@@ -483,20 +483,21 @@ class TPAddressSpace:
         return torch.where(inrange.unsqueeze(1), got, torch.zeros((), dtype=torch.uint8))
 
     def gather(self, layer: int, addrs: torch.Tensor, dst: torch.Tensor,
-               dst_rows: torch.Tensor) -> torch.Tensor:
+               dst_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`ulacache.space.AddressSpace.gather` across the ranks: every rank gets every
         row (its own from its tiers, its peers' through :meth:`read`'s all-gather, which moves
-        ``P x n`` rows: the reference model's staging, not a production path). Collective;
-        0-dim count of this rank's own rows read from its CPU tier."""
+        ``P x n`` rows and host-checks: the reference model's staging, not a production path).
+        Collective; ``(from_cpu, gathered)``: this rank's own rows read from its CPU tier, and
+        which entries were copied."""
         gi = self._group_of(layer)
         rows = self.read(layer, addrs)
         flat, inrange, mine, lpos = self._split(addrs, "gather: addrs")
         with self.stream.scope():
             # an own live row that is not GPU-resident sits in this rank's CPU tier
             on_cpu = (mine & (self.local.translate(gi, torch.where(mine, lpos, -1)) < 0)).sum()
-            keep = (flat >= 0) & (dst_rows >= 0)
+            keep = inrange & (dst_rows >= 0)
             dst[0, dst_rows[keep].to(dst.device)] = rows[keep].to(dst.device)
-        return on_cpu
+        return on_cpu, keep
 
     # -- the per-step sparse access -------------------------------------------------------
     def plan(self, group: int, addrs: torch.Tensor, out: torch.Tensor | None = None
