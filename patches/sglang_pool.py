@@ -247,7 +247,8 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
         mode, or ``prefill_stage`` 0). Whether it may be used is :meth:`usable_stage`."""
         if self._stage_storage is None:
             return None
-        self._stage_verdict: bool | None = None
+        self._stage_verdict: bool | None = None  # decided when the chunk size is known
+        self._stage_unknown_noted = False  # the "chunk size unknown" warning, logged once
         return PrefillStage(self.core, self.ula_plan.stage_tokens, self._stage_storage,
                             row_base=self.page_size)
 
@@ -265,7 +266,7 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
             chunk = chunked_prefill_size()
             G = self.core.config.gpu_slots
             if chunk is None:
-                if not getattr(self, "_stage_unknown_noted", False):
+                if not self._stage_unknown_noted:
                     self._stage_unknown_noted = True
                     logger.warning("ulacache: prefill stage unused while --chunked-prefill-size "
                                    "is off or unknown (a staged prefill places a whole chunk "

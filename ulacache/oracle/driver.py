@@ -31,6 +31,12 @@ from .refmodel import DecodeOutput, DSAMLAModel, IndexShard, ModelGeometry, Resi
 logger = logging.getLogger(__name__)
 
 
+def _read(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``table``'s rows at ``rows`` (any shape), zeros where ``rows`` is ``-1``."""
+    got = table[rows.clamp(min=0).long()]
+    return torch.where((rows >= 0).unsqueeze(-1), got, torch.zeros_like(got))
+
+
 class UlaCacheStore:
     """A :class:`~ulacache.oracle.refmodel.LatentStore` whose rows live in a :class:`UlaCache`."""
 
@@ -78,16 +84,16 @@ class UlaCacheStore:
         and changes nothing in the pool."""
         space = self.cache.space
         if self.stage is not None and self.prefilling:
-            rows = self.stage.stage(layer, self._addresses(reqs, topk))
-            got = self.stage.storage[0][rows.clamp(min=0)]
-            return torch.where((rows >= 0).unsqueeze(-1), got, torch.zeros_like(got))
+            return _read(self.stage.storage[0], self.stage.stage(layer,
+                                                                 self._addresses(reqs, topk)))
         gi = space.layer_to_group[layer]
         group = space.groups[gi]
         entry = self._plan.get(gi)
         if layer == group.layers[0] or entry is None or \
                 (entry[2] is None and entry[0] != space.round_serial):
             addrs = self._addresses(reqs, topk)
-            spans = round_spans(space, addrs)
+            # a decode step fits one round (the engine's check_step_capacity); a prefill may not
+            spans = round_spans(space, addrs) if self.prefilling else [(0, len(addrs))]
             if len(spans) == 1:  # once per group per step
                 entry = (space.round_serial, space.plan(gi, addrs), None)
             else:
@@ -100,7 +106,7 @@ class UlaCacheStore:
             raise ShapeError(f"layer {layer} reads {tuple(topk.shape)}, its group's plan is "
                              f"{tuple(rows.shape)}")
         space.load(layer)  # TP: this layer's bytes of peers' rows into the buffer
-        return self._rows(layer, rows)
+        return _read(space.attn_rows(layer), rows)
 
     def _addresses(self, reqs: torch.Tensor, topk: torch.Tensor) -> torch.Tensor:
         """``int64 [n, k]`` logical addresses of the top-k positions (``-1`` stays)."""
@@ -110,10 +116,6 @@ class UlaCacheStore:
             addrs[m] = self.cache.addresses(r, topk[m].reshape(-1)).view(-1, topk.shape[1])
         return addrs
 
-    def _rows(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
-        got = self.cache.space.attn_rows(layer)[rows.clamp(min=0).long()]
-        return torch.where((rows >= 0).unsqueeze(-1), got, torch.zeros_like(got))
-
     def _read_in_rounds(self, layer: int, gi: int, addrs: torch.Tensor,
                         spans: list[tuple[int, int]]) -> torch.Tensor:
         """This layer's rows of ``addrs`` served span by span, each span in a fresh round (its
@@ -122,7 +124,7 @@ class UlaCacheStore:
         out = torch.empty(*addrs.shape, space.attn_rows(layer).shape[1], dtype=torch.uint8)
         for a, b in spans:
             space.begin_round()
-            out[a:b] = self._rows(layer, space.access(gi, addrs[a:b]))
+            out[a:b] = _read(space.attn_rows(layer), space.access(gi, addrs[a:b]))
         self.prefill_rounds += len(spans)
         return out
 
@@ -237,21 +239,16 @@ def run_equality(geom: ModelGeometry, config: UlaCacheConfig, prompt_lens: list[
         report.prefill_staged_rows = ula_store.stage.staged_rows
         report.prefill_staged_from_cpu = ula_store.stage.staged_from_cpu
     for step in range(n_steps):
-        before = cache.stats()
+        before = _group_sums(cache.stats())
         tok = torch.tensor(tokens)
         a = ref_model.decode_step(reqs, tok, ref_store)
         b = ula_model.decode_step(reqs, tok, ula_store)
         _compare(step, a, b, report.mismatches)
-        after = cache.stats()
-        report.promotions_per_step.append(sum(after[k] - before[k] for k in after
-                                              if k.endswith("_promotions")))
-        report.spills_per_step.append(sum(after[k] - before[k] for k in after
-                                          if k.endswith("_spills")))
-        for k in after:
-            if k.startswith("group"):
-                name = k.split("_", 1)[1]
-                moved = report.moved_per_step.setdefault(name, [0] * n_steps)
-                moved[step] += after[k] - before[k]
+        after = _group_sums(cache.stats())
+        report.promotions_per_step.append(after["promotions"] - before["promotions"])
+        report.spills_per_step.append(after["spills"] - before["spills"])
+        for name, v in after.items():
+            report.moved_per_step.setdefault(name, [0] * n_steps)[step] += v - before[name]
         tokens = a.logits.argmax(-1).tolist()
         cache.check_integrity()
     report.steps = n_steps
