@@ -125,7 +125,8 @@ _interpreter_lock = threading.Lock()  # the interpreter's grid state is process-
 COUNTER_COLUMNS = {"accesses": 0, "gpu_hits": 1, "promotions": 2, "writebacks": 3,
                    "placed": 4, "spills": 5, "released_gpu": 6, "released_cpu": 7,
                    "access_overflow": 8, "place_overflow": 9, "invalid": 10, "remaps": 11,
-                   "shadowed": 12, "reclaims": 13, "shadows_released": 14, "rewrites": 15}
+                   "shadowed": 12, "reclaims": 13, "shadows_released": 14, "rewrites": 15,
+                   "prefetches": 16}
 """Columns of ``ulacache.group.COUNTERS`` the kernels add to (a test holds them equal)."""
 
 if triton is not None:
@@ -135,7 +136,7 @@ if triton is not None:
     C_ACCESS_OVERFLOW, C_PLACE_OVERFLOW = _c["access_overflow"], _c["place_overflow"]
     C_INVALID = _c["invalid"]
     C_REMAPS, C_SHADOWED, C_REWRITES = _c["remaps"], _c["shadowed"], _c["rewrites"]
-    C_RECLAIMS = _c["reclaims"]
+    C_RECLAIMS, C_PREFETCHES = _c["reclaims"], _c["prefetches"]
     # status bits of each entry (int32 scratch between the launches); BACK: a placement's
     # victim remapped to its shadow, whose popped CPU slot goes back to the stack in K4
     KEEP, FIRST, WANT, MOVED, INVALID, BACK = (tl.constexpr(1 << b) for b in range(6))
@@ -144,6 +145,7 @@ if triton is not None:
     INVALID_ROW = tl.constexpr(-2)  # ulacache.tp.INVALID_ROW: a TP owner's "not stored"
     NO_CLAIM = tl.constexpr(2**63 - 1)
     FREE = tl.constexpr(-(2**62))
+    COLD_AGE = tl.constexpr(2)  # ulacache.pblru.COLD_ROUND_AGE
 
     @triton.jit
     def bucket_row_of(round_of, epoch_of, round_t, epoch_t, NB: tl.constexpr):
@@ -199,6 +201,21 @@ if triton is not None:
         tl.store(epoch_of + slot, tl.zeros_like(slot) + epoch_t, mask=move)
 
     @triton.jit
+    def admit_slots(bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr, epoch_ptr,
+                    slot, mask, W1, S1, H1, NB: tl.constexpr, HY: tl.constexpr):
+        """PBLRU.admit of distinct ``slot`` where ``mask``: into the cold row (1), stamps an
+        epoch ``NB`` and a round ``COLD_AGE`` behind; pinned slots stay."""
+        slot = tl.where(mask, slot, 0)
+        round_t = tl.load(round_ptr)
+        epoch_t = tl.load(epoch_ptr)
+        old = bucket_row_of(tl.load(round_of + slot, mask=mask, other=0),
+                            tl.load(epoch_of + slot, mask=mask, other=0), round_t, epoch_t, NB)
+        move = mask & (old != 1) & (old != NB + 2)
+        move_slots(bits, counts, supc, hypc, rowc, slot, old, 1, move, W1, S1, H1, HY)
+        tl.store(round_of + slot, tl.zeros_like(slot) + round_t - COLD_AGE, mask=move)
+        tl.store(epoch_of + slot, tl.zeros_like(slot) + epoch_t - NB, mask=move)
+
+    @triton.jit
     def claim_in_range(addrs, claim, n, N, BLOCK: tl.constexpr):
         """Every in-range entry claims its address: ``atomic_min(claim[addr], position)`` (the
         first launch of a TP rank's gates and of a release)."""
@@ -213,7 +230,7 @@ if triton is not None:
     def _k1_claim(addrs, local, loc, claim, phys_out, status, counters, n, N, NG, RANK,
                   shadow, cpu_free, cpu_top, cursor, rowc, round_of, round_t, G,
                   PLACE: tl.constexpr, SHADOWS: tl.constexpr, TPP: tl.constexpr,
-                  BLOCK: tl.constexpr):
+                  BLOCK: tl.constexpr, PREFETCH: tl.constexpr = False):
         if PLACE and SHADOWS:
             # program 0 first gives back shadows until the free stack holds what this placement
             # may pop (its entries beyond the free GPU slots, PB-LRU's free row count):
@@ -240,6 +257,9 @@ if triton is not None:
         if PLACE:
             keep = inrange & (phys < 0)
             st = keep.to(tl.int32)
+        elif PREFETCH:  # a hint: what is not live is skipped, not counted
+            keep = inrange & (phys >= 0)
+            st = keep.to(tl.int32)
         else:
             keep = inrange & (phys >= 0)
             bad = live & (raw != -1) & ~keep & ~peers
@@ -258,7 +278,7 @@ if triton is not None:
                         bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr,
                         epoch_ptr, entered, n, N, G, W1, S1, H1,
                         PLACE: tl.constexpr, NB: tl.constexpr, HY: tl.constexpr,
-                        BLOCK: tl.constexpr):
+                        BLOCK: tl.constexpr, PREFETCH: tl.constexpr = False):
         pid = tl.program_id(0)
         i = pid * BLOCK + tl.arange(0, BLOCK)
         live = i < n
@@ -274,6 +294,8 @@ if triton is not None:
             want = first
             bad = live & (a != -1) & ~first
             tl.atomic_add(counters + C_INVALID, tl.sum(bad.to(tl.int64)), sem="relaxed")
+        elif PREFETCH:  # resident predictions are left as they are (not touched)
+            want = first & (tl.load(phys_in + i, mask=live, other=-1) >= G)
         else:
             phys = tl.load(phys_in + i, mask=live, other=-1)
             hit = first & (phys < G)
@@ -348,12 +370,14 @@ if triton is not None:
                          L: tl.constexpr, RW: tl.constexpr, HP: tl.constexpr,
                          HY: tl.constexpr, HYP2: tl.constexpr,
                          BP: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, budget=None, PREFETCH: tl.constexpr = False):
         pid = tl.program_id(0)
         b = tl.arange(0, BP)
         run = tl.sum(tl.load(block_want + b, mask=b < pid, other=0))  # wants before this entry
         epoch_t, tot, total, n_free = victim_order(rowc, epoch_ptr, NB, RP)
         top = tl.load(cpu_top)
+        if PREFETCH:
+            limit = tl.load(budget)  # the first ``limit`` misses only (K4 charges them)
         if PLACE or SHADOWS:
             tl.store(top_saved, top, mask=pid == 0)  # K4 rebuilds the stack from it
         # SUB entries at a time: the search tiles are [SUB, <= 128] (no register spills)
@@ -364,6 +388,8 @@ if triton is not None:
             want = (st & WANT) != 0
             rank = run + tl.cumsum(want.to(tl.int32), 0) - 1
             run += tl.sum(want.to(tl.int32))
+            if PREFETCH:
+                want = want & (rank < limit)
             if tl.sum(want.to(tl.int32)) > 0:  # sub-blocks of hits only: nothing to do
                 victim = find_victims(rank, want, tot, total, epoch_t, bits, counts, supc, hypc, W1,
                                   S1, H1, NS, NH, NB, RP, HP, HY, HYP2, SUB)
@@ -442,14 +468,18 @@ if triton is not None:
                     tl.store(shadow + vs, tl.where(keep, cslot, WAS_ON_CPU).to(tl.int32),
                              mask=ok)
                     tl.store(cpu_free + top + rank, cslot, mask=moved)
-                    tl.atomic_add(counters + C_PROMOTIONS, tl.sum(ok.to(tl.int64)),
-                                  sem="relaxed")
+                    if PREFETCH:
+                        tl.atomic_add(counters + C_PREFETCHES, tl.sum(ok.to(tl.int64)),
+                                      sem="relaxed")
+                    else:
+                        tl.atomic_add(counters + C_PROMOTIONS, tl.sum(ok.to(tl.int64)),
+                                      sem="relaxed")
+                        tl.atomic_add(counters + C_ACCESS_OVERFLOW,
+                                      tl.sum((want & ~ok).to(tl.int64)), sem="relaxed")
                     tl.atomic_add(counters + C_WRITEBACKS, tl.sum(copy_out.to(tl.int64)),
                                   sem="relaxed")
                     tl.atomic_add(counters + C_SHADOWED, tl.sum(keep.to(tl.int64)),
                                   sem="relaxed")
-                    tl.atomic_add(counters + C_ACCESS_OVERFLOW,
-                                  tl.sum((want & ~ok).to(tl.int64)), sem="relaxed")
                 tl.store(loc + tl.where(ok, a, 0), victim.to(tl.int32), mask=ok)
                 tl.store(gpu_owner + vs, a.to(tl.int32), mask=ok)
                 tl.store(victim_out + i, victim, mask=want)
@@ -467,13 +497,19 @@ if triton is not None:
                              bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr,
                              epoch_ptr, entered, n, N, G, W1, S1, H1, row_base, n_blocks,
                              PLACE: tl.constexpr, SHADOWS: tl.constexpr, NB: tl.constexpr,
-                             HY: tl.constexpr, BP: tl.constexpr, BLOCK: tl.constexpr):
+                             HY: tl.constexpr, BP: tl.constexpr, BLOCK: tl.constexpr,
+                             budget=None, PREFETCH: tl.constexpr = False):
         pid = tl.program_id(0)
         i = pid * BLOCK + tl.arange(0, BLOCK)
         live = i < n
         victim = tl.load(victim_in + i, mask=live, other=-1)
-        touch_slots(bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr, epoch_ptr,
-               entered, victim, victim >= 0, W1, S1, H1, NB, HY, True)
+        if PREFETCH:
+            admit_slots(bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr,
+                        epoch_ptr, victim, victim >= 0, W1, S1, H1, NB, HY)
+            tl.atomic_add(budget, -tl.sum((victim >= 0).to(tl.int64)), sem="relaxed")
+        else:
+            touch_slots(bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr,
+                        epoch_ptr, entered, victim, victim >= 0, W1, S1, H1, NB, HY, True)
         st = tl.load(status + i, mask=live, other=0)
         if PLACE or SHADOWS:
             # K3 took stack positions [top - took, top) in victim order; the slots of remapped
@@ -490,7 +526,7 @@ if triton is not None:
             tl.store(cpu_top, base + back_all, mask=pid == 0)
         else:  # access without shadows: promotions into free GPU slots pushed their CPU slot
             tl.atomic_add(cpu_top, tl.sum(((st & MOVED) != 0).to(tl.int64)), sem="relaxed")
-        if not PLACE:
+        if not PLACE and not PREFETCH:
             keep = (st & KEEP) != 0
             a = tl.load(local + i, mask=keep, other=N)
             rows = tl.load(loc + tl.where(keep, a, N), mask=keep, other=-1).to(tl.int64)
@@ -659,12 +695,16 @@ class FusedAccess:
 
     def run(self, addrs: torch.Tensor, place: bool, out: torch.Tensor | None = None,
             victim_out: torch.Tensor | None = None, row_base: int = 0,
-            stripe: tuple[int, int, int] | None = None) -> None:
+            stripe: tuple[int, int, int] | None = None,
+            prefetch_budget: torch.Tensor | None = None) -> None:
         """K1..K4 over the flat contiguous ``addrs`` (``int32|int64``). Access writes the GPU
         rows to ``out`` (``int32``, ``addrs.numel()`` elements); place writes the slots to
         ``victim_out`` (``int64``). ``stripe = (P, rank, n_global)`` (access only): ``addrs``
         are TP-global; this rank's (``t % P == rank``) are accessed at ``t // P``, the rest
-        read as padding without being counted invalid (:mod:`ulacache.tp` serves them)."""
+        read as padding without being counted invalid (:mod:`ulacache.tp` serves them).
+        ``prefetch_budget`` (0-dim ``int64``): a prefetch instead of an access
+        (``SelectionGroup.prefetch``): resident predictions untouched, the first ``budget``
+        misses promoted and admitted cold, the budget decremented, nothing translated."""
         g, p = self.g, self.g.policy
         n = addrs.numel()
         if n == 0:
@@ -681,6 +721,11 @@ class FusedAccess:
         pol = self._policy_args()
         stamps = (p.round_of, p.epoch_of, p.round_t, p.epoch_t, p.entered)
         mode = dict(PLACE=place, BLOCK=self.BLOCK)
+        if prefetch_budget is not None:  # the variant exists only where it is used
+            mode["PREFETCH"] = True
+            budget = dict(budget=prefetch_budget)
+        else:
+            budget = {}
         launch(_k1_claim, grid, addrs, local, g.loc, g.claim, phys, status, g.counters, n, N,
                 n_global, rank, g.shadow, g.cpu_free, g.cpu_top, g.reclaim_cursor,
                 p.row_counts, p.round_of, p.round_t, G, SHADOWS=g.shadows and place, TPP=P,
@@ -699,12 +744,12 @@ class FusedAccess:
                 p.n_hyper, grid[0], NB=self.nb, RP=self.rp, L=gw.shape[0], RW=gw.shape[2],
                 HP=self.hp, HY=p.hyper, HYP2=pow2(p.hyper), BP=pow2(grid[0]),
                 CHUNK=self.CHUNK, SUB=self.SUB, SHADOWS=g.shadows, maxnreg=self.K3_MAXNREG,
-                **mode)
+                **budget, **mode)
         launch(_k4_assign_translate, grid, local, status, victim,
                 out if out is not None else status, g.loc, g.cpu_top, g.cpu_free, phys,
                 block_took, block_back, self.top_saved, *pol, *stamps,
                 n, N, G, self.w1, self.s1, self.h1, row_base, grid[0], NB=self.nb, HY=p.hyper,
-                BP=pow2(grid[0]), SHADOWS=g.shadows, **mode)
+                BP=pow2(grid[0]), SHADOWS=g.shadows, **budget, **mode)
 
 
     def reclaim(self, need: int) -> None:

@@ -107,6 +107,24 @@ class TwinDriver:
                 addrs.view(-1)[self._rand(bs * k, 1)] = dead[0]
         self.both(lambda g, a: g.access(a.to(dtype).to(g.device)), addrs)
 
+    def prefetch(self, n: int, cap: int) -> None:
+        """A prefetch of ``n`` predictions (live addresses, a few dead, out-of-range and
+        padding entries, duplicates) with a fetch cap of ``cap``: both twins promote the
+        same rows and leave the same budget."""
+        live = torch.tensor(sorted(self.live), dtype=torch.int64)
+        N = self.ref.n_logical
+        addrs = self._rand(N + 8, n) - 4
+        if live.numel():
+            pick = self._rand(4, n) != 0
+            addrs[pick] = live[self._rand(live.numel(), int(pick.sum()))]
+
+        def run(g, a):
+            budget = torch.tensor(cap, dtype=torch.int64, device=g.device)
+            g.prefetch(a.to(g.device), budget)
+            return budget
+
+        self.both(run, addrs)
+
     def release(self, n: int, hostile: bool) -> None:
         live = sorted(self.live)
         if not live:

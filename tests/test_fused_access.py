@@ -72,6 +72,7 @@ def _random_sequence(seed: int) -> None:
         d.place(max(4, G // 2), hostile=seed % 2 == 0)
     for r in range(5):
         d.advance()
+        d.prefetch(48, cap=(5, 0, 200, 17, 9)[r])  # a capped look-ahead, then the access
         d.access(8, 32, hostile=seed % 3 == 0, dtype=(torch.int32, torch.int64)[r % 2])
         d.access(2, 7, hostile=True)
         d.place(6, hostile=r % 2 == 0)
@@ -81,8 +82,10 @@ def _random_sequence(seed: int) -> None:
         fused.check_integrity()
     c = ref.counter_values()
     if seed % 4:  # the workload reaches the paths it claims to (tiny pools overflow instead)
+        assert c["prefetches"]
         assert c["promotions"] and c["spills"] and c["gpu_hits"] and c["access_overflow"]
-        assert c["writebacks"] and c["promotions"] > c["writebacks"]  # swaps and single copies
+        # swaps and single copies
+        assert c["writebacks"] and c["promotions"] + c["prefetches"] > c["writebacks"]
         if shadows:  # evictions onto shadows (reclaims: tests/test_shadows.py)
             assert c["remaps"] and c["shadowed"]
         else:  # rows written back a second time
@@ -147,6 +150,10 @@ class FusedTwinMachine(RuleBasedStateMachine):
           wide=st.booleans())
     def access(self, bs, k, hostile, wide):
         self.d.access(bs, k, hostile, torch.int64 if wide else torch.int32)
+
+    @rule(n=st.integers(1, 60), cap=st.integers(0, 70))
+    def prefetch(self, n, cap):
+        self.d.prefetch(n, cap)
 
     @rule(n=st.integers(1, 12), hostile=st.booleans())
     def release(self, n, hostile):

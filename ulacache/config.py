@@ -43,6 +43,8 @@ def _legal(tp: Any) -> str:
         bounds = [f">= {m.ge}" for m in metas if m.ge is not None]
         bounds += [f"<= {m.le}" for m in metas if m.le is not None]
         return f"{_legal(base)} {' and '.join(bounds)}".strip()
+    if origin is tuple:
+        return f"a list, each {_legal(args[0])}"
     if tp is bool:
         return "true or false"
     if tp is int:
@@ -63,10 +65,16 @@ class _Checked(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
         for f in msgspec.structs.fields(self):
             value = getattr(self, f.name)
             try:
-                msgspec.convert(value, f.type, strict=True)
+                typed = msgspec.convert(value, f.type, strict=True)
             except msgspec.ValidationError as e:
                 raise ConfigError(f"{self._what} key {f.name!r}: {e} (got {value!r}); legal: "
                                   f"{_legal(f.type)}") from None
+            if isinstance(typed, (_Checked, tuple)) and type(value) is not type(typed):
+                # a nested section given as a JSON object, a tuple as a list: store it typed
+                # (the nested struct's own checks run as it is built)
+                if isinstance(typed, _Checked):
+                    typed = type(typed).from_dict(value)
+                msgspec.structs.force_setattr(self, f.name, typed)
         self._check()
 
     def _check(self) -> None:
@@ -108,10 +116,50 @@ class _Checked(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
         return cls.from_dict(values)
 
     def to_dict(self) -> dict[str, Any]:
-        return msgspec.structs.asdict(self)
+        return msgspec.to_builtins(self)
 
     def replace(self, **changes: Any):
         return self.from_dict({**self.to_dict(), **changes})
+
+
+PrefetchSource = Literal["previous_layer", "draft"]  # ulacache.prefetch.SOURCES
+
+
+class PrefetchConfig(_Checked, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Look-ahead prefetch (:mod:`ulacache.prefetch`; ``"prefetch": {...}`` in
+    ``--ulacache-config``). ``sources``: prediction sources, each a hint for a group's next
+    access (empty: prefetch off). ``fetch_cap``: rows one group may prefetch per step (OasisKV's
+    per-layer cap). ``link_gbps`` with ``step_ms``: also cap the bytes every group prefetches per
+    step at what the link moves in a step (GB/s x ms), split evenly over the groups."""
+
+    _what = "ulacache prefetch config"
+
+    sources: tuple[PrefetchSource, ...] = ()
+    fetch_cap: Annotated[int, Meta(ge=0, le=1 << 24)] = 256
+    link_gbps: Optional[Annotated[float, Meta(gt=0, le=1e4)]] = None
+    step_ms: Optional[Annotated[float, Meta(gt=0, le=1e5)]] = None
+
+    def _check(self) -> None:
+        if len(set(self.sources)) != len(self.sources):
+            raise ConfigError(f"{self._what} key 'sources' names a source twice: "
+                              f"{list(self.sources)}")
+        if (self.link_gbps is None) != (self.step_ms is None):
+            raise ConfigError(f"{self._what} keys 'link_gbps' and 'step_ms' go together (the "
+                              "link budget per step is their product)")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.sources)
+
+    def rows_per_group(self, group_row_bytes: int, n_groups: int) -> int:
+        """The per-group, per-step cap in rows: ``fetch_cap``, or less where the link budget
+        (``link_gbps x step_ms``, split over ``n_groups`` groups of ``group_row_bytes`` per
+        row, every layer of a group included) binds."""
+        cap = self.fetch_cap
+        if self.link_gbps is not None:
+            per_step = self.link_gbps * 1e9 * self.step_ms * 1e-3
+            cap = min(cap, int(per_step // (max(1, n_groups) * max(1, group_row_bytes))))
+        return cap
 
 
 class UlaCacheConfig(_Checked, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -233,6 +281,8 @@ class SGLangOptions(_Checked, frozen=True, forbid_unknown_fields=True, kw_only=T
     # a prefill batch longer than the GPU pool; null: the model's context length; 0: none (every
     # prefill batch, prefix included, must fit the GPU pool)
     prefill_stage: Optional[Annotated[int, Meta(ge=0, le=1 << 30)]] = None
+    # look-ahead prefetch on a side stream (ulacache.prefetch); off by default
+    prefetch: PrefetchConfig = PrefetchConfig()
 
     def _check(self) -> None:
         if self.mode != "tp":

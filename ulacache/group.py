@@ -44,7 +44,7 @@ from .streams import capturing
 
 COUNTERS = ("accesses", "gpu_hits", "promotions", "writebacks", "placed", "spills",
             "released_gpu", "released_cpu", "access_overflow", "place_overflow", "invalid",
-            "remaps", "shadowed", "reclaims", "shadows_released", "rewrites")
+            "remaps", "shadowed", "reclaims", "shadows_released", "rewrites", "prefetches")
 """Slots of :attr:`SelectionGroup.counters` (device ``int64``, read outside the decode path):
 
 - ``accesses``: distinct selected rows per step; ``gpu_hits``: those already on the GPU;
@@ -63,7 +63,10 @@ COUNTERS = ("accesses", "gpu_hits", "promotions", "writebacks", "placed", "spill
 - ``shadows_released``: shadows freed with their row by ``release``;
 - ``rewrites``: write-backs and spills of rows that had been in the CPU tier before (the
   eviction-path D2H that shadows remove; ``writebacks + spills - rewrites`` are rows born on
-  the GPU reaching the CPU for the first time).
+  the GPU reaching the CPU for the first time);
+- ``prefetches``: rows copied CPU -> GPU by :meth:`SelectionGroup.prefetch`, ahead of the
+  access (off the critical path; ``promotions`` are the access's own, on it). Their victims
+  count in ``writebacks`` / ``remaps`` / ``rewrites``, their shadows in ``shadowed``.
 """
 OVERFLOWS = ("access_overflow", "place_overflow", "invalid")
 
@@ -71,12 +74,13 @@ OVERFLOWS = ("access_overflow", "place_overflow", "invalid")
 def occupancy(c: dict[str, int]) -> tuple[int, int]:
     """(GPU, CPU) slots holding a row's primary copy, derived from a group's counters: a
     placement or promotion fills a GPU slot; its victim, if any, leaves the GPU for the CPU
-    (a spill, a write-back, or a remap to its shadow); a promotion leaves the CPU; a release
-    frees its tier. Shadows are not occupancy (:func:`live_shadows`). So the occupancy needs no
-    device work of its own (``check_integrity`` asserts the identity)."""
+    (a spill, a write-back, or a remap to its shadow); a promotion or prefetch leaves the CPU;
+    a release frees its tier. Shadows are not occupancy (:func:`live_shadows`). So the
+    occupancy needs no device work of its own (``check_integrity`` asserts the identity)."""
     evicted = c["spills"] + c["writebacks"] + c["remaps"]
-    gpu = c["placed"] + c["promotions"] - evicted - c["released_gpu"]
-    return gpu, evicted - c["promotions"] - c["released_cpu"]
+    promoted = c["promotions"] + c["prefetches"]
+    gpu = c["placed"] + promoted - evicted - c["released_gpu"]
+    return gpu, evicted - promoted - c["released_cpu"]
 
 
 def live_shadows(c: dict[str, int]) -> int:
@@ -355,7 +359,29 @@ class SelectionGroup:
         self._access_one = self._access_fused if fused else self._access_torch
         self._translate = self._translate_fused if fused else self._translate_torch
         self._release_one = self._release_fused if fused else self._release_torch
+        self._prefetch_one = self._prefetch_fused if fused else self._prefetch_torch
         self._reclaim = self._reclaim_fused if fused else self._reclaim_torch
+        # prefetch scratch: the group's own until side tables are given (a prefetch on its
+        # own stream must not share dedup scratch with accesses of other groups)
+        self.prefetch_claim, self.fused_prefetch = self.claim_table, self.fused
+
+    def use_prefetch_tables(self, claim: torch.Tensor, scratch=None) -> None:
+        """Prefetch with its own dedup table (``int64 [n_logical + 1]``, from
+        :func:`new_claim_table`) and fused scratch, so a prefetch on a side stream can run
+        while another group's access uses the shared ones (one set serves every group's
+        prefetch: prefetches run one at a time on the prefetch stream)."""
+        if claim.shape != self.claim_table.shape or claim.dtype != torch.int64 or \
+                claim.device != self.device:
+            raise ShapeError(f"prefetch claim must be int64 {tuple(self.claim_table.shape)} on "
+                             f"{self.device}")
+        self.prefetch_claim = claim
+        if self.fused is not None:
+            from dataclasses import replace
+
+            from ulacache.kernels import fused_access
+
+            self.fused_prefetch = fused_access.FusedAccess(replace(self.tables, claim=claim),
+                                                           scratch)
 
     # -- helpers --------------------------------------------------------------------------
     def _count(self, **values: torch.Tensor) -> None:
@@ -731,8 +757,30 @@ class SelectionGroup:
         if checking:
             self._check_room(miss, hit_slots)
         self.policy.touch(hit_slots)
+        ok, victim, moved = self._promote_torch(flat, phys, miss)
+        self.policy.assign(victim)
+        self._count(accesses=first.sum(), gpu_hits=hit.sum(), promotions=ok.sum(),
+                    access_overflow=(miss & ~ok).sum(), invalid=bad.sum(), **moved)
+        rows = self._slots_of(safe)
+        rows = torch.where(valid & (rows >= 0) & (rows < G), rows + self.row_base, -1) \
+            .view(addrs.shape)
+        if out is None:
+            return rows.to(torch.int32)
+        out.copy_(rows)
+        return out
 
+    def _promote_torch(self, flat: torch.Tensor, phys: torch.Tensor, miss: torch.Tensor,
+                       limit: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Move the ``miss`` entries' rows (first occurrences of CPU-resident addresses; at
+        most ``limit`` of them, in entry order) into victim GPU slots: data, then mapping,
+        owners, shadows and the CPU free stack. The policy is the caller's (an access assigns
+        the victims, a prefetch admits them). Returns (promoted ``bool [n]``, victim slot or
+        -1 ``int64 [n]``, eviction counts)."""
+        G = self.gpu_slots
         rank = torch.cumsum(miss, 0) - 1
+        if limit is not None:  # a prefetch's budget: the first ``limit`` misses only
+            miss = miss & (rank < limit)
         cand = self.policy.victims(flat.numel())
         victim = torch.where(miss, cand[rank.clamp(min=0)], -1)
         ok = victim >= 0
@@ -769,18 +817,9 @@ class SelectionGroup:
             self._settle_stack(took, took & remap, popped)
         else:
             self.pools.push_cpu(torch.where(ok & ~owned, cslot, -1))
-        self.policy.assign(victim)
-        self._count(accesses=first.sum(), gpu_hits=hit.sum(), promotions=ok.sum(),
-                    writebacks=copy_out.sum(), access_overflow=(miss & ~ok).sum(),
-                    invalid=bad.sum(), remaps=remap.sum(), shadowed=keep.sum(),
-                    rewrites=(copy_out & (had == WAS_ON_CPU)).sum())
-        rows = self._slots_of(safe)
-        rows = torch.where(valid & (rows >= 0) & (rows < G), rows + self.row_base, -1) \
-            .view(addrs.shape)
-        if out is None:
-            return rows.to(torch.int32)
-        out.copy_(rows)
-        return out
+        return ok, victim, dict(writebacks=copy_out.sum(), remaps=remap.sum(),
+                                shadowed=keep.sum(),
+                                rewrites=(copy_out & (had == WAS_ON_CPU)).sum())
 
     def _access_fused(self, addrs: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         """:meth:`access` of at most :attr:`max_call` entries, fused (four launches)."""
@@ -794,6 +833,55 @@ class SelectionGroup:
             out.copy_(rows)
             return out
         return rows
+
+    # -- prefetch: a hint, ahead of the access that needs the rows ------------------------
+    def prefetch(self, addrs: torch.Tensor, budget: torch.Tensor) -> None:
+        """Promote predicted rows before the access that will select them (OasisKV's
+        look-ahead, arXiv 2608.08097, Algorithm 2).
+
+        ``addrs int [n]``: predicted addresses, most likely first (``-1`` padding; anything
+        out of range or not live is skipped and not counted: a hint is never bad input).
+        ``budget``: 0-dim ``int64`` on the group's device, the rows this call may promote (the
+        per-step fetch cap), decremented by what it promoted; the caller refills it each step.
+        One call per group per step (:class:`ulacache.prefetch.PrefetchEngine` merges its
+        sources' predictions): a call's victims are distinct, but a second call's could be the
+        first one's rows. Predictions past :attr:`max_call` are dropped (the least likely; a
+        call cannot promote more than the pool anyway).
+
+        Per distinct prediction: resident on the GPU -> nothing (not touched: what the access
+        would evict is not reordered by a guess); on the CPU -> promoted in rank order while
+        the budget lasts, each into the next victim in the policy's order (free slots, then the
+        least recently selected row), never a slot pinned this round. Promoted rows enter at
+        the lowest recency (``policy.admit``): one the access does not select is the next
+        victim, so a wrong guess costs its copy and displaces at most the coldest row. Same
+        data-before-mapping order as the access; the fused path is the access's four launches.
+        The access still resolves every selection, so outputs never depend on prefetching.
+        Counted in ``prefetches`` (and the evictions' counters); no host sync.
+        """
+        self._index_meta(addrs, "prefetch: addrs")
+        if not isinstance(budget, torch.Tensor) or budget.dtype != torch.int64 or \
+                budget.dim() != 0 or budget.device != self.device:
+            raise ShapeError(f"prefetch: budget must be a 0-dim int64 tensor on {self.device}")
+        self._prefetch_one(addrs.reshape(-1)[: self.max_call], budget)
+
+    def _prefetch_torch(self, addrs: torch.Tensor, budget: torch.Tensor) -> None:
+        """:meth:`prefetch` of at most :attr:`max_call` entries, the torch reference."""
+        flat = addrs.reshape(-1).to(torch.int64)
+        inrange, safe = self._range(flat)
+        phys = self._slots_of(safe)
+        first = first_occurrence(self.prefetch_claim, safe, inrange & (phys >= 0))
+        ok, victim, moved = self._promote_torch(flat, phys, first & (phys >= self.gpu_slots),
+                                                limit=budget)
+        self.policy.admit(victim)
+        promoted = ok.sum()
+        budget.sub_(promoted)
+        self._count(prefetches=promoted, **moved)
+
+    def _prefetch_fused(self, addrs: torch.Tensor, budget: torch.Tensor) -> None:
+        """:meth:`prefetch` of at most :attr:`max_call` entries, fused (four launches)."""
+        if addrs.numel():
+            self.fused_prefetch.run(addrs.reshape(-1).contiguous(), place=False,
+                                    prefetch_budget=budget)
 
     def check_access(self, addrs: torch.Tensor) -> None:
         """Raise what :meth:`access` would raise with validate on, changing nothing (host-side:

@@ -33,6 +33,8 @@ HELP = {
     "shadows_released": "shadows freed with their row (finished or aborted requests)",
     "rewrites": "write-backs and spills of rows that had been in the CPU tier before "
                 "(eviction-path D2H)",
+    "prefetches": "rows promoted CPU -> GPU ahead of their access by the look-ahead prefetch "
+                  "(H2D off the critical path)",
 }
 
 
@@ -71,7 +73,7 @@ class UlaCacheCollector:
                                   "of the group", labels=["group", "link"])
         for gi, g, row in zip(groups, self.space.groups, snap):
             per_row = rb * len(g.layers)
-            fam.add_metric([gi, "h2d"], row["promotions"] * per_row)
+            fam.add_metric([gi, "h2d"], (row["promotions"] + row["prefetches"]) * per_row)
             fam.add_metric([gi, "d2h"], (row["writebacks"] + row["spills"]) * per_row)
         yield fam
         for tier, text in (("gpu", "GPU slots holding a row"), ("cpu", "CPU slots holding a row")):

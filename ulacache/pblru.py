@@ -33,6 +33,9 @@ WORD_BITS = 63  # bits per int64 word: bit 63 unused, so +/- 2**b scatter-adds n
 SUPER = 16  # words per superblock (second level of the count hierarchy)
 HYPER = 64  # superblocks per hyper block (third level: the fused kernels' victim search)
 _FREE = -(2**62)  # stamp of a free slot
+COLD_ROUND_AGE = 2
+"""A prefetched slot's round stamp is this far behind the current round: older than the
+shadow reclaim's recent rounds (``ulacache.group.RECLAIM_RECENT_ROUNDS``), never pinned."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -55,6 +58,10 @@ class ReplacementPolicy(ABC):
     - ``touch(slots)``: the slots become used and most recent (this round: pinned).
     - ``assign(slots)``: as ``touch``, for slots that just received a new row (placement,
       promotion): turnover, which PB-LRU paces its buckets by.
+    - ``admit(slots)``: the slots just received a *prefetched* row: used, but at the lowest
+      recency (victims right after the free slots), not pinned, no turnover; a prefetch that
+      guessed wrong is the first thing evicted, never a row more likely to be reused. Pinned
+      slots are left as they are (a prefetch never takes one as its victim).
     - ``release(slots)``: the (used) slots become free.
     - ``victims(n)``: ``int64 [n]``, the first ``n`` slots in victim order, ``-1`` past the
       number of eligible slots. Pure: state is unchanged.
@@ -75,6 +82,9 @@ class ReplacementPolicy(ABC):
 
     def assign(self, slots: torch.Tensor) -> None:
         self.touch(slots)
+
+    @abstractmethod
+    def admit(self, slots: torch.Tensor) -> None: ...
 
     @abstractmethod
     def release(self, slots: torch.Tensor) -> None: ...
@@ -255,6 +265,18 @@ class PBLRU(ReplacementPolicy):
     def assign(self, slots: torch.Tensor) -> None:
         self.touch(slots, assigned=True)
 
+    def admit(self, slots: torch.Tensor) -> None:
+        """Into the cold bucket (row 1): stamps an epoch ``n_b`` behind (cold whatever epochs
+        follow) and a round :data:`COLD_ROUND_AGE` behind (the shadow reclaim counts it as
+        an older row, whose shadow is worth keeping)."""
+        valid, s = self._slots(slots)
+        old = self._row_of(self.round_of[s], self.epoch_of[s])
+        move = valid & (old != 1) & (old != self.current_row)
+        self._move_bits(s, old, torch.ones_like(s), move)
+        dst = torch.where(move, s, self.n_slots)
+        self.round_of.index_put_((dst,), (self.round_t - COLD_ROUND_AGE).expand_as(s))
+        self.epoch_of.index_put_((dst,), (self.epoch_t - self.n_buckets).expand_as(s))
+
     def release(self, slots: torch.Tensor) -> None:
         valid, s = self._slots(slots)
         old = self._row_of(self.round_of[s], self.epoch_of[s])
@@ -423,12 +445,17 @@ class PBLRUArena:
 
 class ExactLRU(ReplacementPolicy):
     """Exact LRU (the paper's baseline): a last-touch round per slot; victims by a pool-wide
-    scan (``topk`` of the smallest keys over all G slots). Ties break by slot id."""
+    scan (``topk`` of the smallest keys over all G slots). Ties break by slot id. Stamps:
+    :data:`FREE_STAMP` free, :data:`COLD_STAMP` admitted by a prefetch (after the free slots,
+    before every touched one), else the round of the last touch."""
+
+    FREE_STAMP, COLD_STAMP = -2, -1
 
     def __init__(self, n_slots: int, device: torch.device | str = "cpu"):
         self.n_slots = int(n_slots)
         self.device = resolve_device(device)
-        self.stamp = torch.full((self.n_slots + 1,), -1, dtype=torch.int64, device=self.device)
+        self.stamp = torch.full((self.n_slots + 1,), self.FREE_STAMP, dtype=torch.int64,
+                                device=self.device)
         self.round_t = torch.zeros((), dtype=torch.int64, device=self.device)
         self._ids = torch.arange(self.n_slots, device=self.device)
 
@@ -436,9 +463,14 @@ class ExactLRU(ReplacementPolicy):
         valid, s = self._slots(slots)
         self.stamp.index_put_((s,), torch.where(valid, self.round_t, self.stamp[s]))
 
+    def admit(self, slots: torch.Tensor) -> None:
+        valid, s = self._slots(slots)
+        move = valid & (self.stamp[s] != self.round_t)
+        self.stamp.index_put_((s,), torch.where(move, self.COLD_STAMP, self.stamp[s]))
+
     def release(self, slots: torch.Tensor) -> None:
         valid, s = self._slots(slots)
-        self.stamp.index_put_((s,), torch.where(valid, -1, self.stamp[s]))
+        self.stamp.index_put_((s,), torch.where(valid, self.FREE_STAMP, self.stamp[s]))
 
     def advance(self) -> None:
         self.round_t.add_(1)
@@ -446,7 +478,8 @@ class ExactLRU(ReplacementPolicy):
     def victims(self, n: int) -> torch.Tensor:
         stamp = self.stamp[: self.n_slots]
         never = torch.iinfo(torch.int64).max
-        key = torch.where(stamp == self.round_t, never, (stamp + 1) * self.n_slots + self._ids)
+        key = torch.where(stamp == self.round_t, never, (stamp - self.FREE_STAMP) * self.n_slots
+                          + self._ids)
         m = min(n, self.n_slots)
         vals, idx = torch.topk(key, m, largest=False, sorted=True)
         out = torch.where(vals != never, idx, -1)
@@ -462,7 +495,7 @@ class ExactLRU(ReplacementPolicy):
         return valid & (self.stamp[s] == self.round_t)
 
     def used_mask(self) -> torch.Tensor:
-        return self.stamp[: self.n_slots] >= 0
+        return self.stamp[: self.n_slots] != self.FREE_STAMP
 
     def last_round(self) -> torch.Tensor:
         return self.stamp[: self.n_slots]

@@ -273,6 +273,25 @@ class AddressSpace:
         with self.stream.scope():
             return g.access(addrs, out)
 
+    def prefetch(self, group: int, addrs: torch.Tensor, budget: torch.Tensor) -> None:
+        """Promote predicted rows of one group ahead of its access (see
+        :meth:`SelectionGroup.prefetch`): a hint, never an error for what it names. Issued on
+        the *caller's* stream, not the core stream: :class:`ulacache.prefetch.PrefetchEngine`
+        calls it on its prefetch stream after that stream waited for the core's work, and makes
+        the group's access wait for it (layer-local), so nothing else orders it."""
+        self.group(group).prefetch(self.checked_addresses(addrs, "prefetch: addrs"), budget)
+
+    def use_prefetch_tables(self) -> None:
+        """Give every group one separate dedup table and fused scratch for prefetching, so a
+        prefetch on its own stream never shares scratch with an access (8 B per logical
+        address, once; :class:`ulacache.prefetch.PrefetchEngine` asks for it)."""
+        claim = new_claim_table(self.n_logical, self.device)
+        scratch = None
+        for g in self.groups:
+            g.use_prefetch_tables(claim, scratch)
+            if g.fused_prefetch is not None:
+                scratch = g.fused_prefetch.shared_scratch
+
     def access_distinct(self, group: int, table: torch.Tensor, first: int = 0) -> None:
         """One access of a group on the distinct addresses of a large ``table`` (any shape,
         ``-1`` and addresses below ``first`` are padding): a prefill page table of ``T x top-k``

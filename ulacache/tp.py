@@ -640,6 +640,18 @@ class TPAddressSpace:
         return in_pieces(addrs, out, self.call_capacity, self.device,
                          lambda piece, dst: self.access(group, piece, dst))
 
+    def prefetch(self, group: int, addrs: torch.Tensor, budget: torch.Tensor) -> None:
+        """This rank's share of a prefetch (not collective): its own rows among the predicted
+        global ``addrs`` are promoted into its own pool, as the owner's part of the next plan
+        would (:meth:`ulacache.space.AddressSpace.prefetch`; ``budget`` is this rank's). Peers'
+        rows are left to the plan's gates."""
+        _, _, _, lpos = self._split(addrs, "prefetch: addrs")
+        self.local.prefetch(group, lpos, budget)
+
+    def use_prefetch_tables(self) -> None:
+        """The shard's separate prefetch scratch (:meth:`AddressSpace.use_prefetch_tables`)."""
+        self.local.use_prefetch_tables()
+
     def access_distinct(self, group: int, table: torch.Tensor, first: int = 0) -> None:
         """:meth:`access` on the distinct global addresses of a large ``table`` (any shape;
         ``-1`` and addresses below ``first`` are padding): a prefill page table of ``T x

@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ulacache.cache import UlaCache
-from ulacache.config import UlaCacheConfig
+from ulacache.config import PrefetchConfig, UlaCacheConfig
 from ulacache.errors import ShapeError
+from ulacache.prefetch import PrefetchEngine
 from ulacache.prefill import PrefillStage, round_spans
 
 from .refmodel import DecodeOutput, DSAMLAModel, IndexShard, ModelGeometry, ResidentStore
@@ -40,8 +41,14 @@ def _read(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 class UlaCacheStore:
     """A :class:`~ulacache.oracle.refmodel.LatentStore` whose rows live in a :class:`UlaCache`."""
 
-    def __init__(self, cache: UlaCache, stage_rows: int | None = None):
+    def __init__(self, cache: UlaCache, stage_rows: int | None = None,
+                 prefetch: PrefetchConfig | None = None):
         self.cache = cache
+        # decode steps prefetch what the sources predict (ulacache.prefetch); a hint only
+        cfg = cache.config
+        self.prefetch = None if prefetch is None or not prefetch.enabled else PrefetchEngine(
+            cache.space, prefetch, cfg.n_groups,
+            cfg.row_layout.row_bytes * cfg.layers_per_group, cache.space.device)
         # with a stage, every prefill layer reads its selections from it (the SGLang seam's
         # DP prefill); without, a prefill that outgrows the pool is served in rounds
         self.stage = None if stage_rows is None else PrefillStage(cache.space, stage_rows)
@@ -53,7 +60,11 @@ class UlaCacheStore:
         self.prefill_rounds = 0  # rounds that sub-batched selections started (all layers)
 
     def begin_step(self) -> None:
+        if self.prefetch is not None:
+            self.prefetch.begin_step()  # before the round start: every prefetch has landed
         self.cache.space.begin_round()
+        if self.prefetch is not None:
+            self.prefetch.round_started()
         self._plan.clear()
         self.steps += 1
 
@@ -95,7 +106,12 @@ class UlaCacheStore:
             # a decode step fits one round (the engine's check_step_capacity); a prefill may not
             spans = round_spans(space, addrs) if self.prefilling else [(0, len(addrs))]
             if len(spans) == 1:  # once per group per step
+                engine = None if self.prefilling else self.prefetch
+                if engine is not None:
+                    engine.before_access(gi)  # this group's prefetch only
                 entry = (space.round_serial, space.plan(gi, addrs), None)
+                if engine is not None:
+                    engine.selected(gi, addrs)
             else:
                 entry = (None, addrs, spans)
             self._plan[gi] = entry
@@ -129,6 +145,8 @@ class UlaCacheStore:
         return out
 
     def free(self, req: int) -> None:
+        if self.prefetch is not None:
+            self.prefetch.fence()  # a release must not race a prefetch of the same rows
         self.cache.free(req)
 
 
@@ -186,7 +204,8 @@ def _group_sums(stats: dict[str, int]) -> dict[str, int]:
 def run_equality(geom: ModelGeometry, config: UlaCacheConfig, prompt_lens: list[int],
                  n_steps: int, seed: int = 0, peers=None,
                  prefill_chunk: int | None = None,
-                 prefill_stage: int | None = None) -> EqualityReport:
+                 prefill_stage: int | None = None,
+                 prefetch: PrefetchConfig | None = None) -> EqualityReport:
     """Prefill ``len(prompt_lens)`` requests, decode ``n_steps`` greedy steps as one batch, with
     ulacache and fully resident; compare attention outputs, logits, top-k and chosen tokens.
 
@@ -194,6 +213,8 @@ def run_equality(geom: ModelGeometry, config: UlaCacheConfig, prompt_lens: list[
     so both compute the same batches), as an engine's chunked prefill does; a chunk whose
     selections outgrow the GPU pool is served in rounds (:mod:`ulacache.prefill`), or with
     ``prefill_stage`` (rows), every prefill layer through a stage of that many rows.
+    ``prefetch``: decode steps prefetch what its sources predict (outputs must not change;
+    ``report.moved_per_step["prefetches"]`` counts the rows).
 
     Tokens are chosen by the resident run (greedy) and fed to both, so a divergence is reported
     at the step where it happens instead of cascading.
@@ -209,7 +230,8 @@ def run_equality(geom: ModelGeometry, config: UlaCacheConfig, prompt_lens: list[
     ref_model, ula_model = DSAMLAModel(geom, seed), DSAMLAModel(geom, seed)
     ref_store = ResidentStore(geom.row_bytes)
     ula_store = UlaCacheStore(UlaCache(config, peers=peers,
-                                       layer_groups=geom.selection_groups()), prefill_stage)
+                                       layer_groups=geom.selection_groups()), prefill_stage,
+                                   prefetch)
     if config.tp_size > 1 and config.shard_indexer:
         # each rank keeps 1/P of the index keys, scores them, merges the candidates
         ula_model.index_shard = IndexShard(peers.rank, peers.size, peers.all_gather)

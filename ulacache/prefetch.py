@@ -1,0 +1,256 @@
+"""Look-ahead prefetch: predicted rows move CPU -> GPU on a side stream, off the critical path.
+
+Without it every CPU-resident row a step selects is copied between that layer's indexer and
+its attention. The engine here promotes rows a *prediction* names before the access that
+needs them (OasisKV, arXiv 2608.08097, §3; UlaCache, arXiv 2610.29820, §6.3: a prefetch
+stream ordered by events):
+
+- **Mechanism** (:meth:`ulacache.space.AddressSpace.prefetch`, the group's four fused launches
+  in prefetch mode): per prediction, resident -> nothing; missing -> promoted in rank order
+  while the group's per-step budget lasts, into the next victim in PB-LRU order (never a row
+  pinned this round), admitted at the lowest recency, so a wrong guess is the next victim.
+  The access still resolves every selection: outputs never depend on prefetching.
+- **Ordering** (:class:`PrefetchEngine`): prefetches run on their own stream, one event per
+  group. The prefetch stream first waits for the caller's stream (the prediction and all core
+  work before it are ready); a group's access waits only for *its own* group's event
+  (layer-local), never for other groups' prefetches. A step start waits for every
+  outstanding prefetch (the round start advances every group's policy) and refills the
+  budgets: device work only, no host sync, the same launches every step (capturable).
+- **Policy** (:class:`PredictionSource`): who predicts what. ``previous_layer``: group
+  ``g``'s selection of this step predicts group ``g + 1``'s (known one layer early).
+  ``draft``: the selection a draft token's query made predicts the same group's next step
+  (speculative decoding's verify batch); the engine takes it through :meth:`draft_selected`.
+  Each group gets one prefetch call per step with every source's prediction (a call's
+  victims are distinct; a second call could evict the first one's cold rows).
+
+Scratch: prefetches dedup with their own claim table and fused scratch
+(:meth:`AddressSpace.use_prefetch_tables`: 8 B per logical address), since they run while
+accesses of other groups use the shared ones.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+
+import torch
+
+from .config import PrefetchConfig
+from .errors import ConfigError, ShapeError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SOURCES", "PredictionSource", "PreviousLayer", "DraftTokens", "PrefetchEngine",
+           "rank_order"]
+
+
+def rank_order(addrs: torch.Tensor) -> torch.Tensor:
+    """``int [bs, k]`` selections as one prediction list, most likely first: rank 0 of every
+    request, then rank 1, ... (a cap then shares the budget across requests instead of
+    spending it on the first request's tail). ``[bs * k]``, ``-1`` padding kept."""
+    return addrs.t().reshape(-1)
+
+
+class PredictionSource(ABC):
+    """One prediction source: from what a step has revealed so far, predictions for a group's
+    next access as ``int [n]`` addresses in rank order (``-1`` padding). Pure: it reads and
+    changes no core state. The engine asks every source for a group once, just before it
+    issues that group's one prefetch of the step (:meth:`PrefetchEngine.ready_groups`)."""
+
+    name: str
+    after_previous_group = False
+    """Whether this source's prediction for group ``g`` needs group ``g - 1``'s selection of
+    this step (then the engine issues group ``g``'s prefetch once that selection is known)."""
+
+    def __init__(self, n_groups: int):
+        self.n_groups = n_groups
+
+    def selected(self, group: int, addrs: torch.Tensor) -> None:
+        """``group``'s selection of this step (``int [bs, k]``) is known."""
+        return None
+
+    def drafted(self, group: int, addrs: torch.Tensor) -> None:
+        """A draft token's selection at ``group`` (``int [bs, k]``) is known."""
+        return None
+
+    @abstractmethod
+    def predict(self, group: int) -> torch.Tensor | None:
+        """This source's prediction for ``group``'s access of this step, or ``None``."""
+
+    def new_step(self) -> None:
+        """A step starts (selections of the last one become history)."""
+        return None
+
+
+class PreviousLayer(PredictionSource):
+    """Group ``g``'s selection of this step predicts group ``g + 1``'s: it is known while
+    group ``g`` attends, one layer before it is needed."""
+
+    name = "previous_layer"
+    after_previous_group = True
+
+    def __init__(self, n_groups: int):
+        super().__init__(n_groups)
+        self.last: dict[int, torch.Tensor] = {}
+
+    def selected(self, group: int, addrs: torch.Tensor) -> None:
+        self.last[group] = addrs
+
+    def predict(self, group: int) -> torch.Tensor | None:
+        prev = self.last.get(group - 1)
+        return None if prev is None else rank_order(prev)
+
+    def new_step(self) -> None:
+        self.last.clear()
+
+
+class DraftTokens(PredictionSource):
+    """The selection a draft token's query made at group ``g`` (speculative decoding's verify
+    batch) predicts group ``g``'s next step: accepted drafts are the next step's queries."""
+
+    name = "draft"
+
+    def __init__(self, n_groups: int):
+        super().__init__(n_groups)
+        self.drafts: dict[int, torch.Tensor] = {}
+        self.ready: dict[int, torch.Tensor] = {}
+
+    def drafted(self, group: int, addrs: torch.Tensor) -> None:
+        self.drafts[group] = addrs
+
+    def predict(self, group: int) -> torch.Tensor | None:
+        d = self.ready.get(group)
+        return None if d is None else rank_order(d)
+
+    def new_step(self) -> None:
+        self.ready, self.drafts = self.drafts, {}
+
+
+SOURCES: dict[str, type[PredictionSource]] = {"previous_layer": PreviousLayer,
+                                              "draft": DraftTokens}
+"""Source names (``prefetch.sources``) -> classes; ``config.PrefetchSource`` lists the same."""
+
+
+class PrefetchEngine:
+    """Prefetches for one address space (:class:`ulacache.core.Core`), on a side stream.
+
+    Parameters
+    ----------
+    core : the address space (DP or one TP rank; TP prefetches each rank's own rows).
+    config : :class:`~ulacache.config.PrefetchConfig` (sources, cap, link budget).
+    n_groups, group_row_bytes : selection groups, and bytes one promoted row moves (every
+        layer of its group), for the link budget.
+    device : the core's device.
+
+    The engine's calls, in a step's order: :meth:`begin_step` before the round start,
+    :meth:`round_started` after it; per group, :meth:`before_access` before its access and
+    :meth:`selected` once its selection is known; :meth:`draft_selected` for a draft token's
+    selection (used next step); :meth:`fence` before a release. ``stream_log`` (CPU, for
+    tests) records ``(op, group)`` in issue order.
+    """
+
+    def __init__(self, core, config: PrefetchConfig, n_groups: int, group_row_bytes: int,
+                 device: torch.device):
+        if not config.enabled:
+            raise ConfigError("PrefetchEngine needs at least one prefetch source")
+        unknown = [s for s in config.sources if s not in SOURCES]
+        if unknown:
+            raise ConfigError(f"unknown prefetch source(s) {unknown}; legal: {sorted(SOURCES)}")
+        self.core, self.config, self.n_groups, self.device = core, config, n_groups, device
+        self.sources = [SOURCES[name](n_groups) for name in config.sources]
+        self._waits_for_previous = any(s.after_previous_group for s in self.sources)
+        self.cap = config.rows_per_group(group_row_bytes, n_groups)
+        if self.cap == 0:
+            logger.warning("prefetch: the link budget (%s GB/s x %s ms) is less than one row per "
+                           "group per step: nothing will be prefetched", config.link_gbps,
+                           config.step_ms)
+        core.use_prefetch_tables()
+        # budgets[g]: rows group g may still prefetch this step (0-dim views are the calls')
+        self.budgets = torch.zeros(n_groups, dtype=torch.int64, device=device)
+        cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if cuda else None
+        self.events = [torch.cuda.Event() for _ in range(n_groups)] if cuda else None
+        self.stream_log: list[tuple[str, int]] | None = None if cuda else []
+
+    # -- a step ----------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Before the round start (which advances every group's policy): every prefetch issued
+        so far has finished for the caller's stream (:meth:`fence`), budgets are refilled to
+        the cap, and the sources' last-step selections become history."""
+        self.fence()
+        self.budgets.fill_(self.cap)
+        for src in self.sources:
+            src.new_step()
+
+    def round_started(self) -> None:
+        """After the round start: groups whose predictions are complete already (no source
+        waits for the previous group's selection; group 0 always) get their prefetch now."""
+        for g in range(self.n_groups):
+            if g == 0 or not self._waits_for_previous:
+                self._issue_predicted(g)
+
+    def fence(self) -> None:
+        """The caller's stream waits for every prefetch issued so far (before a round start,
+        which advances every group's policy, and before a release)."""
+        self._log("fence", -1)
+        if self.events is not None:
+            cur = torch.cuda.current_stream(self.device)
+            for e in self.events:  # events, not wait_stream: capturable
+                cur.wait_event(e)
+
+    def before_access(self, group: int) -> None:
+        """Layer-local wait: the caller's stream (the access's) waits for ``group``'s
+        prefetch only."""
+        self._log("wait", group)
+        if self.events is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.events[group])
+
+    def selected(self, group: int, addrs: torch.Tensor) -> None:
+        """``group``'s selection of this step (``int [bs, k]`` addresses) is known; if a
+        source waited for it, group ``group + 1``'s prefetch is issued now."""
+        addrs = self._check(addrs)
+        for src in self.sources:
+            src.selected(group, addrs)
+        if self._waits_for_previous and group + 1 < self.n_groups:
+            self._issue_predicted(group + 1)
+
+    def draft_selected(self, group: int, addrs: torch.Tensor) -> None:
+        """A draft token's selection at ``group`` (``int [bs, k]``) is known: the ``draft``
+        source predicts the group's next step from it."""
+        addrs = self._check(addrs)
+        for src in self.sources:
+            src.drafted(group, addrs)
+
+    def _issue_predicted(self, group: int) -> None:
+        """One prefetch call for ``group`` with every source's prediction, in source order
+        (``prefetch.sources``): one call per group per step, so its victims never include
+        rows an earlier prefetch of the step admitted."""
+        preds = [p for p in (src.predict(group) for src in self.sources) if p is not None]
+        if preds:
+            self.issue(group, preds[0] if len(preds) == 1 else torch.cat(preds))
+
+    def issue(self, group: int, predicted: torch.Tensor) -> None:
+        """Prefetch ``predicted`` (``int [n]``, rank order) into ``group`` on the prefetch
+        stream, after everything already issued on the caller's stream; record the group's
+        event."""
+        if not 0 <= group < self.n_groups:
+            raise ShapeError(f"prefetch: group {group} not in [0, {self.n_groups})")
+        self._log("prefetch", group)
+        if self.stream is None:
+            self.core.prefetch(group, predicted, self.budgets[group])
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        predicted.record_stream(self.stream)  # made on the caller's stream, read on this one
+        with torch.cuda.stream(self.stream):
+            self.core.prefetch(group, predicted, self.budgets[group])
+            self.events[group].record(self.stream)
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _check(self, addrs: torch.Tensor) -> torch.Tensor:
+        if not isinstance(addrs, torch.Tensor) or addrs.dim() != 2:
+            raise ShapeError("prefetch: selections must be an int tensor [bs, k]")
+        return addrs
+
+    def _log(self, op: str, group: int) -> None:
+        if self.stream_log is not None:
+            self.stream_log.append((op, group))
