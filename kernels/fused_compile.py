@@ -16,6 +16,7 @@ subprocess). Exit 0 when every kernel compiled; prints one line per kernel varia
 from __future__ import annotations
 
 import argparse
+import inspect
 import logging
 import os
 import re
@@ -59,6 +60,8 @@ def record_launches(n_layers: int = 2, gpu_slots: int = 4096, row_bytes: int = 6
         fused.reclaim(addrs.numel())  # a placement's first launch (shadows)
         fused.run(addrs, place=True, victim_out=torch.empty(addrs.shape, dtype=torch.int64))
         fused.translate(addrs.to(torch.int32), torch.empty(addrs.shape, dtype=torch.int32))
+        fused.run(addrs, place=False,  # a look-ahead prefetch (ulacache.prefetch)
+                  prefetch_budget=torch.zeros((), dtype=torch.int64))
         fused.run(addrs, place=False, out=torch.empty(addrs.shape, dtype=torch.int32),
                   stripe=(8, 3, gpu_slots * 32))  # a TP8 rank's own access
         from ulacache.buffer import LocalBuffer
@@ -94,9 +97,10 @@ def signature(kernel, args: tuple, meta: dict) -> tuple[dict, dict]:
     sig, consts = {}, {}
     values = dict(zip([p.name for p in kernel.params], args))
     values.update(meta)
+    defaults = inspect.signature(kernel.fn).parameters
     for p in kernel.params:
-        v = values[p.name]
-        if p.is_constexpr:
+        v = values[p.name] if p.name in values else defaults[p.name].default
+        if p.is_constexpr or v is None:  # an unused optional pointer is a constexpr None
             sig[p.name] = "constexpr"
             consts[p.name] = v
         elif isinstance(v, torch.Tensor):

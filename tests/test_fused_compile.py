@@ -35,7 +35,8 @@ def test_every_fused_kernel_compiles_for_sm90_and_sm100_without_spills():
     # shadows, the standalone reclaim,
     # translate, K1 striped (TP), the claim kernel (G1 and R1), G2..G4, the round start, R2,
     # R3; K3 (with and without shadows, and place), G3 and the round start again (other
-    # widths) for the second geometry
-    assert len(lines) == 2 * 25, res.stdout
+    # widths) for the second geometry; the prefetch's K1..K4 (and its K3 for the second
+    # geometry)
+    assert len(lines) == 2 * 30, res.stdout
     if "no cuobjdump" not in res.stdout:
         assert all("STACK 0" in line for line in lines), res.stdout

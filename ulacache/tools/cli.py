@@ -97,6 +97,8 @@ def _check_replay_options(args: argparse.Namespace) -> None:
         if args.tp_size not in TP_SIZES:
             raise CliError(f"--mode tp needs --tp-size 2, 4 or 8 (the ranks of one TP group; "
                            f"they must divide the 64-token page), got {args.tp_size}")
+        if args.prefetch:
+            raise CliError("--prefetch is for --mode dp")
         for option, value in (("--policy", args.policy), ("--hisparse-slots",
                               args.hisparse_slots), ("--compare-lru", args.compare_lru or None)):
             if value is not None:
@@ -105,6 +107,10 @@ def _check_replay_options(args: argparse.Namespace) -> None:
         return
     if args.tp_size != 1 or args.buffer_slots is not None:
         raise CliError("--tp-size and --buffer-slots are for --mode tp")
+    bad = [s for s in args.prefetch.split(",") if s and s != "previous_layer"]
+    if bad:
+        raise CliError(f"--prefetch: replay supports previous_layer (the bundled trace has no "
+                       f"draft selections), got {bad}")
     if args.gpu_slots is not None:
         raise CliError("--gpu-slots is for --mode tp: in DP mode ulacache's shared pool gets "
                        "HiSparse's rows at equal GPU memory, requests x (H + 64); size it with "
@@ -180,6 +186,15 @@ def _replay(args: argparse.Namespace) -> int:
                          h_slots=h, layout=args.layout)
     logger.info("hisparse replay: %.1f s", time.perf_counter() - t0)
     t0 = time.perf_counter()
+    pref = None
+    if args.prefetch:  # the same replay with the look-ahead prefetch, against ``ula``
+        from ulacache.config import PrefetchConfig
+
+        t0 = time.perf_counter()
+        pref = replay(trace, policy=policy, prefetch=PrefetchConfig(
+            sources=tuple(args.prefetch.split(",")), fetch_cap=args.fetch_cap), **kw)
+        logger.info("ulacache (%s, prefetch %s) replay: %.1f s", policy, args.prefetch,
+                    time.perf_counter() - t0)
     groups = ula.groups  # one selection group per replayed layer
     counts = {p: count_launches(p, groups)
               for p in (("fused", "torch") if fused_countable() else ("torch",))}
@@ -187,13 +202,22 @@ def _replay(args: argparse.Namespace) -> int:
     logger.info("launch counts: %.1f s", time.perf_counter() - t0)
     capacity = None if args.no_capacity else compare.capacity_summary()
     if args.json:
+        extra = {} if pref is None else {"prefetch": {"off": ula.to_dict(),
+                                                      "on": pref.to_dict()}}
         print(json.dumps({"trace": str(path),
                           **compare.report_dict(ula, hs, launches, capacity, lru,
-                                                write_back, equal_host)}))
+                                                write_back, equal_host), **extra}))
     else:
         print(compare.format_report(trace, ula, hs, launches, capacity, lru,
                                     seconds=time.perf_counter() - t_start,
                                     write_back=write_back, equal_host=equal_host))
+        if pref is not None:
+            print(f"prefetch {pref.prefetch} (cap {pref.fetch_cap} rows/group/step): "
+                  f"critical-path misses {pref.critical_path_misses} vs {ula.misses} off "
+                  f"(x{pref.critical_path_misses / max(1, ula.misses):.2f}), H2D rows "
+                  f"{pref.h2d_rows} vs {ula.h2d_rows} (x{pref.h2d_rows / max(1, ula.h2d_rows):.2f}"
+                  f"), prefetched {pref.prefetched_rows}, of them selected "
+                  f"{pref.prefetched_used}")
     return 0
 
 
@@ -289,6 +313,12 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--shadows", default="both", choices=["on", "off", "both"],
                     help="write-back-free eviction (promoted rows keep their CPU copy): 'both' "
                          "replays with it and again without, and reports the D2H of each")
+    rp.add_argument("--prefetch", default="", metavar="SOURCES",
+                    help="dp mode: also replay with the look-ahead prefetch from these sources "
+                         "(comma-separated; replay supports previous_layer) and report "
+                         "critical-path misses and H2D rows against the run without")
+    rp.add_argument("--fetch-cap", type=_int_at_least(0), default=256,
+                    help="prefetch: rows per group per step (default 256)")
     rp.add_argument("--json", action="store_true")
     rp.set_defaults(func=_replay)
 

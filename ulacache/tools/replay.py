@@ -22,7 +22,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ulacache.cache import UlaCache
-from ulacache.config import UlaCacheConfig
+from ulacache.config import PrefetchConfig, UlaCacheConfig
+from ulacache.prefetch import PrefetchEngine
 
 from .progress import bar as _progress
 from .residency import PolicyClock
@@ -62,9 +63,24 @@ class ReplayResult:
     rows_digest: int  # of every GPU row the accesses returned: equal runs resolve alike
     sched_ms_per_step: float  # median: round start + placement + access of every group
     policy_ms_per_step: float  # median: the policy's own calls inside it
+    prefetch: str = ""  # prefetch sources ("": off)
+    fetch_cap: int = 0  # rows per group per step
+    prefetched_rows: int = 0  # rows promoted by the prefetch (off the critical path)
+    prefetched_used: int = 0  # of those, hits of their group's access in the same step
+
+    @property
+    def critical_path_misses(self) -> int:
+        """Rows the accesses fetched synchronously (the misses: each one a promotion)."""
+        return self.misses
+
+    @property
+    def h2d_rows(self) -> int:
+        """Every CPU -> GPU row copy: the accesses' promotions and the prefetches."""
+        return self.misses + self.prefetched_rows
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return asdict(self) | {"critical_path_misses": self.critical_path_misses,
+                               "h2d_rows": self.h2d_rows}
 
 
 def live_tokens(trace: Trace, requests: int, steps: int) -> int:
@@ -92,8 +108,11 @@ def plan_requests(trace: Trace, requests: int, steps: int) -> list[int]:
 def replay(trace: Trace, *, requests: int = 4, steps: int = 256, layers: list[int] | None = None,
            gpu_slots: int | None = None, cpu_slots: int | None = None, layout: str = "fp8",
            policy: str = "pblru", n_buckets: int = 64, page_size: int = 64,
-           progress: bool = False, shadows: bool = True) -> ReplayResult:
-    """Replay ``trace`` through a :class:`UlaCache`; see the module docstring."""
+           progress: bool = False, shadows: bool = True,
+           prefetch: PrefetchConfig | None = None) -> ReplayResult:
+    """Replay ``trace`` through a :class:`UlaCache`; see the module docstring. ``prefetch``:
+    run the look-ahead engine (:mod:`ulacache.prefetch`) as a decode step would: group ``g``'s
+    access waits for its prefetch, its selection predicts group ``g + 1``'s."""
     layers = list(range(trace.layers)) if layers is None else layers
     if not layers or any(not 0 <= x < trace.layers for x in layers):
         raise ValueError(f"layers must be non-empty indices in [0, {trace.layers})")
@@ -112,6 +131,8 @@ def replay(trace: Trace, *, requests: int = 4, steps: int = 256, layers: list[in
                          validate=False, shadows=shadows)
     cache = UlaCache(cfg)
     space = cache.space
+    engine = None if prefetch is None or not prefetch.enabled else PrefetchEngine(
+        space, prefetch, len(layers), cfg.row_layout.row_bytes, space.device)
     bar = _progress(progress, total=sum(int(pos[s]) for s in starts),
                     desc=f"prefill {requests} requests", unit="tok")
     for r, s in enumerate(starts):  # prefill in chunks that fit one round's GPU room
@@ -131,19 +152,41 @@ def replay(trace: Trace, *, requests: int = 4, steps: int = 256, layers: list[in
     bar = _progress(progress, total=steps, desc=f"replay {LABELS.get(policy, policy)}",
                     unit="step")
     sched, pol = [], []
+    used = 0  # prefetched rows their access selected (host-side bookkeeping, not timed apart)
     digest = torch.zeros((), dtype=torch.int64)
     weight = None
     for t in range(steps):
         p0 = sum(c.seconds for c in clocks)
         t0 = time.perf_counter()
+        if engine is not None:
+            engine.begin_step()
         space.begin_round()
+        if engine is not None:
+            engine.round_started()
         cache.extend_batch(dict.fromkeys(range(requests), 1))
         t1 = time.perf_counter()
         # the selections are the engine's input: turning positions into addresses is not timed
         addrs = [torch.stack([cache.addresses(r, sel[g, starts[r] + t]) for r in
                               range(requests)]) for g in range(len(layers))]
         t2 = time.perf_counter()
-        rows = [space.access(g, addrs[g]) for g in range(len(layers))]
+        if engine is None:
+            rows = [space.access(g, addrs[g]) for g in range(len(layers))]
+        else:
+            rows, fetched = [], {}
+            for g in range(len(layers)):
+                engine.before_access(g)
+                rows.append(space.access(g, addrs[g]))
+                if g in fetched:  # prefetched rows this access selected
+                    chosen = addrs[g].reshape(-1)
+                    used += int(torch.isin(chosen[chosen >= 0].unique(), fetched.pop(g)).sum())
+                if g + 1 < len(layers):  # which rows the prefetch for g + 1 brought in
+                    loc = space.groups[g + 1].loc
+                    was_cpu = loc >= gpu_slots
+                    engine.selected(g, addrs[g])
+                    fetched[g + 1] = torch.nonzero(was_cpu & (loc >= 0) & (loc < gpu_slots)
+                                                   ).view(-1)
+                else:
+                    engine.selected(g, addrs[g])
         sched.append(time.perf_counter() - t2 + t1 - t0)
         pol.append(sum(c.seconds for c in clocks) - p0)
         if weight is None:  # a fixed pseudo-random weight per (group, request, rank)
@@ -170,7 +213,7 @@ def replay(trace: Trace, *, requests: int = 4, steps: int = 256, layers: list[in
         promotions_per_step=total("promotions") / steps,
         writebacks_per_step=total("writebacks") / steps,
         spills_per_step=total("spills") / steps,
-        h2d_bytes_per_step=total("promotions") * rb / steps,
+        h2d_bytes_per_step=(total("promotions") + total("prefetches")) * rb / steps,
         d2h_bytes_per_step=(total("writebacks") + total("spills")) * rb / steps,
         eviction_d2h_bytes_per_step=total("rewrites") * rb / steps,
         backup_d2h_bytes_per_step=(total("writebacks") + total("spills") - total("rewrites"))
@@ -179,6 +222,9 @@ def replay(trace: Trace, *, requests: int = 4, steps: int = 256, layers: list[in
         reclaims_per_step=total("reclaims") / steps, rows_digest=int(digest),
         sched_ms_per_step=1e3 * sorted(sched)[len(sched) // 2],
         policy_ms_per_step=1e3 * sorted(pol)[len(pol) // 2],
+        prefetch=",".join(prefetch.sources) if engine is not None else "",
+        fetch_cap=engine.cap if engine is not None else 0,
+        prefetched_rows=total("prefetches"), prefetched_used=used,
     )
 
 
