@@ -215,6 +215,11 @@ def test_engine_config_and_link_budget():
         PrefetchConfig(sources=PREV, link_gbps=1.0)
     with pytest.raises(ConfigError, match="twice"):
         PrefetchConfig(sources=("draft", "draft"))
+    from ulacache.config import SGLangOptions
+
+    with pytest.raises(ConfigError, match="not wired into the SGLang seam"):
+        SGLangOptions.from_json('{"prefetch": {"sources": ["previous_layer"]}}')
+    assert SGLangOptions.from_json('{"prefetch": {"fetch_cap": 8}}').prefetch.fetch_cap == 8
     space = AddressSpace(UlaCacheConfig(layout="tiny", row_bytes=8, n_layers=2, gpu_slots=8,
                                         cpu_slots=8, page_size=1), n_logical=16)
     with pytest.raises(ConfigError, match="at least one"):

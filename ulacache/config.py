@@ -285,6 +285,11 @@ class SGLangOptions(_Checked, frozen=True, forbid_unknown_fields=True, kw_only=T
     prefetch: PrefetchConfig = PrefetchConfig()
 
     def _check(self) -> None:
+        if self.prefetch.enabled:  # refused, not ignored: nothing under SGLang reads it yet
+            raise ConfigError("--ulacache-config key 'prefetch': the look-ahead prefetch runs "
+                              "in the core and `ulacache replay --prefetch` but is not wired "
+                              "into the SGLang seam yet (docs/prefetch.md); leave 'sources' "
+                              "empty")
         if self.mode != "tp":
             for key, value in (("buffer_slots", self.buffer_slots is not None),
                                ("shard_indexer", self.shard_indexer)):
