@@ -879,9 +879,8 @@ class SelectionGroup:
 
     def _prefetch_fused(self, addrs: torch.Tensor, budget: torch.Tensor) -> None:
         """:meth:`prefetch` of at most :attr:`max_call` entries, fused (four launches)."""
-        if addrs.numel():
-            self.fused_prefetch.run(addrs.reshape(-1).contiguous(), place=False,
-                                    prefetch_budget=budget)
+        self.fused_prefetch.run(addrs.reshape(-1).contiguous(), place=False,
+                                prefetch_budget=budget)
 
     def check_access(self, addrs: torch.Tensor) -> None:
         """Raise what :meth:`access` would raise with validate on, changing nothing (host-side:

@@ -83,6 +83,33 @@ class ReplayResult:
                                "h2d_rows": self.h2d_rows}
 
 
+def prefetched_step(space, engine: PrefetchEngine, addrs: list[torch.Tensor]
+                    ) -> tuple[list[torch.Tensor], int, float]:
+    """One step's accesses with the look-ahead engine, as a decode step runs them: group
+    ``g``'s access waits for its own prefetch, then its selection predicts group ``g + 1``'s.
+    Returns (rows per group, prefetched rows the access they were fetched for selected,
+    seconds spent on that count: host-side bookkeeping, not part of the step)."""
+    rows, used, untimed = [], 0, 0.0
+    fetched = None  # addresses the prefetch for this group brought to the GPU
+    G = space.config.gpu_slots
+    for g, sel in enumerate(addrs):
+        engine.before_access(g)
+        rows.append(space.access(g, sel))
+        t0 = time.perf_counter()
+        if fetched is not None:
+            chosen = sel.reshape(-1)
+            used += int(torch.isin(chosen[chosen >= 0].unique(), fetched).sum())
+        nxt = space.groups[g + 1].loc if g + 1 < len(addrs) else None
+        was_cpu = None if nxt is None else nxt >= G
+        untimed += time.perf_counter() - t0
+        engine.selected(g, sel)  # issues group g + 1's prefetch
+        t0 = time.perf_counter()
+        fetched = None if nxt is None else \
+            torch.nonzero(was_cpu & (nxt >= 0) & (nxt < G)).view(-1)
+        untimed += time.perf_counter() - t0
+    return rows, used, untimed
+
+
 def live_tokens(trace: Trace, requests: int, steps: int) -> int:
     """Tokens the replayed requests hold after their last step (per layer): the rows
     HiSparse's host mirror holds then (it keeps every token), and ulacache's default CPU tier
@@ -172,21 +199,9 @@ def replay(trace: Trace, *, requests: int = 4, steps: int = 256, layers: list[in
         if engine is None:
             rows = [space.access(g, addrs[g]) for g in range(len(layers))]
         else:
-            rows, fetched = [], {}
-            for g in range(len(layers)):
-                engine.before_access(g)
-                rows.append(space.access(g, addrs[g]))
-                if g in fetched:  # prefetched rows this access selected
-                    chosen = addrs[g].reshape(-1)
-                    used += int(torch.isin(chosen[chosen >= 0].unique(), fetched.pop(g)).sum())
-                if g + 1 < len(layers):  # which rows the prefetch for g + 1 brought in
-                    loc = space.groups[g + 1].loc
-                    was_cpu = loc >= gpu_slots
-                    engine.selected(g, addrs[g])
-                    fetched[g + 1] = torch.nonzero(was_cpu & (loc >= 0) & (loc < gpu_slots)
-                                                   ).view(-1)
-                else:
-                    engine.selected(g, addrs[g])
+            rows, step_used, untimed = prefetched_step(space, engine, addrs)
+            used += step_used
+            t2 += untimed  # the bookkeeping of which prefetched rows were used is not the step's
         sched.append(time.perf_counter() - t2 + t1 - t0)
         pol.append(sum(c.seconds for c in clocks) - p0)
         if weight is None:  # a fixed pseudo-random weight per (group, request, rank)
