@@ -29,40 +29,56 @@ def _cfg(geom: ModelGeometry, **kw) -> UlaCacheConfig:
 PROMPTS = [150, 90, 40, 120]
 
 
+def _random_drafts(cfg: UlaCacheConfig, seed: int = 1):
+    """A stand-in for a draft token's selections (the reference model does not speculate):
+    random addresses anywhere in the logical space (other requests' rows, unplaced and freed
+    addresses included) and ``-1`` padding, fresh every call, reproducible."""
+    gen = torch.Generator().manual_seed(seed)
+    n_logical = cfg.n_logical_pages * cfg.page_size
+    return lambda group, addrs: torch.randint(-1, n_logical, tuple(addrs.shape), generator=gen)
+
+
+SOURCE_SETS = [PREV, ("draft",), ("draft", "previous_layer")]
+
+
 @pytest.mark.parametrize("validate", [True, False], ids=["checks-on", "production"])
 @pytest.mark.parametrize("layers_per_indexer", [1, 2], ids=["per-layer", "shared"])
-def test_dp_decoding_is_identical_with_prefetch_on_off_and_capped(layers_per_indexer, validate):
+@pytest.mark.parametrize("sources", SOURCE_SETS, ids="+".join)
+def test_dp_decoding_is_identical_with_prefetch_on_off_and_capped(sources, layers_per_indexer,
+                                                                   validate):
     geom = ModelGeometry.tiny(layout="fp8", layers_per_indexer=layers_per_indexer)
     cfg = _cfg(geom, validate=validate)
     off = run_equality(geom, cfg, PROMPTS, n_steps=16)
     assert off.identical and "prefetches" in off.moved_per_step
     assert sum(off.moved_per_step["prefetches"]) == 0
+    # groups that get a prediction each step: group 0 has no previous layer
+    predicted = geom.n_groups - (0 if "draft" in sources else 1)
     for cap, want in ((100_000, "many"), (7, "capped"), (0, "none")):
-        rep = run_equality(geom, cfg, PROMPTS, n_steps=16,
-                           prefetch=PrefetchConfig(sources=PREV, fetch_cap=cap))
+        rep = run_equality(geom, cfg, PROMPTS, n_steps=16, draft_hint=_random_drafts(cfg),
+                           prefetch=PrefetchConfig(sources=sources, fetch_cap=cap))
         assert rep.identical, (cap, rep.mismatches[:5])
         per_step = rep.moved_per_step["prefetches"]
-        n_groups = geom.n_groups
         if want == "none":
             assert sum(per_step) == 0
         else:
             assert sum(per_step) > 0
-            # a cap binds per group per step; group 0 has no previous layer
-            assert all(p <= cap * (n_groups - 1) for p in per_step)
+            assert all(p <= cap * predicted for p in per_step)  # the cap binds per group
         for k in ("access_overflow", "place_overflow", "invalid"):
             assert sum(rep.moved_per_step[k]) == 0, k
 
 
+@pytest.mark.parametrize("sources", [PREV, ("previous_layer", "draft")], ids="+".join)
 @pytest.mark.parametrize("cap", [100_000, 5])
-def test_tp_decoding_is_identical_with_prefetch(cap):
+def test_tp_decoding_is_identical_with_prefetch(cap, sources):
     geom = ModelGeometry.tiny(layout="fp8", layers_per_indexer=1)
     cfg = _cfg(geom, gpu_slots=80, cpu_slots=400, tp_size=2, buffer_slots=160)
-    pf = PrefetchConfig(sources=PREV, fetch_cap=cap)
-    reports = run_ranks(2, lambda peers: run_equality(geom, cfg, PROMPTS, 12, peers=peers,
-                                                      prefetch=pf))
+    pf = PrefetchConfig(sources=sources, fetch_cap=cap)
+    predicted = geom.n_groups - (0 if "draft" in sources else 1)
+    reports = run_ranks(2, lambda peers: run_equality(
+        geom, cfg, PROMPTS, 12, peers=peers, prefetch=pf, draft_hint=_random_drafts(cfg)))
     for rep in reports:
         assert rep.identical, rep.mismatches[:5]
-        assert 0 < sum(rep.moved_per_step["prefetches"]) <= 12 * cap * (geom.n_groups - 1)
+        assert 0 < sum(rep.moved_per_step["prefetches"]) <= 12 * cap * predicted
         assert sum(rep.moved_per_step["peer_fetches"]) > 0
 
 
@@ -276,3 +292,31 @@ def test_cuda_access_waits_only_for_its_own_groups_prefetch():
     eng.before_access(1)
     torch.cuda.synchronize()
     space.check_integrity()
+
+
+def test_replay_with_an_exact_draft_cuts_misses_without_extra_transfers():
+    """The bundled trace with the draft source fed the true next step's selections (a draft
+    always accepted): most critical-path misses go, and (prefetches issued after the step's
+    placements, whose victims would otherwise be the cold prefetched rows) nothing is fetched
+    twice: every prefetched row is used and H2D rows stay those of the run without."""
+    import dataclasses
+
+    import numpy as np
+
+    from ulacache.tools.cli import bundled_trace
+    from ulacache.tools.replay import replay
+    from ulacache.tools.traces import load_trace
+
+    trace = load_trace(bundled_trace())
+    sel = trace.selections
+    exact = dataclasses.replace(trace, draft_selections=np.concatenate(
+        [sel[:, 1:], np.full_like(sel[:, :1], -1)], axis=1))
+    kw = dict(requests=4, steps=32, layers=[0, 5, 10, 15], gpu_slots=1024)
+    off = replay(trace, **kw)
+    on = replay(exact, prefetch=PrefetchConfig(sources=("draft",)), **kw)
+    assert on.critical_path_misses <= 0.4 * off.critical_path_misses
+    assert on.prefetched_used == on.prefetched_rows > 0
+    assert on.h2d_rows <= 1.01 * off.h2d_rows
+    with pytest.raises(ValueError, match="draft selections"):
+        replay(dataclasses.replace(trace, draft_selections=None),
+               prefetch=PrefetchConfig(sources=("draft",)), **kw)

@@ -123,6 +123,7 @@ class _Checked(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
 
 
 PrefetchSource = Literal["previous_layer", "draft"]  # ulacache.prefetch.SOURCES
+PREFETCH_SOURCES: tuple[str, ...] = typing.get_args(PrefetchSource)
 
 
 class PrefetchConfig(_Checked, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -42,8 +42,12 @@ class UlaCacheStore:
     """A :class:`~ulacache.oracle.refmodel.LatentStore` whose rows live in a :class:`UlaCache`."""
 
     def __init__(self, cache: UlaCache, stage_rows: int | None = None,
-                 prefetch: PrefetchConfig | None = None):
+                 prefetch: PrefetchConfig | None = None, draft_hint=None):
         self.cache = cache
+        # (group, int64 [n, k] addresses selected) -> int64 [n, k] addresses a draft token
+        # would select: the reference model does not speculate, so the draft source is fed
+        # this stand-in (any addresses: a prediction is a hint)
+        self.draft_hint = draft_hint
         # decode steps prefetch what the sources predict (ulacache.prefetch); a hint only
         cfg = cache.config
         self.prefetch = None if prefetch is None or not prefetch.enabled else PrefetchEngine(
@@ -53,6 +57,7 @@ class UlaCacheStore:
         # DP prefill); without, a prefill that outgrows the pool is served in rounds
         self.stage = None if stage_rows is None else PrefillStage(cache.space, stage_rows)
         self.prefilling = False  # set by the driver around prefill calls
+        self._prefetch_pending = False  # a step started, its prefetches not issued yet
         # group -> (round, int32 [n, k] rows, None) planned this step, or
         # (None, int64 [n, k] addresses, spans) served in rounds by every layer of the group
         self._plan: dict[int, tuple] = {}
@@ -63,8 +68,9 @@ class UlaCacheStore:
         if self.prefetch is not None:
             self.prefetch.begin_step()  # before the round start: every prefetch has landed
         self.cache.space.begin_round()
-        if self.prefetch is not None:
-            self.prefetch.round_started()
+        # prefetches start once the step's new tokens have their slots (at its first read):
+        # a placement's victims would otherwise be the rows just prefetched (admitted cold)
+        self._prefetch_pending = self.prefetch is not None
         self._plan.clear()
         self.steps += 1
 
@@ -107,11 +113,16 @@ class UlaCacheStore:
             spans = round_spans(space, addrs) if self.prefilling else [(0, len(addrs))]
             if len(spans) == 1:  # once per group per step
                 engine = None if self.prefilling else self.prefetch
+                if engine is not None and self._prefetch_pending:
+                    self._prefetch_pending = False
+                    engine.round_started()
                 if engine is not None:
                     engine.before_access(gi)  # this group's prefetch only
                 entry = (space.round_serial, space.plan(gi, addrs), None)
                 if engine is not None:
                     engine.selected(gi, addrs)
+                    if self.draft_hint is not None:
+                        engine.draft_selected(gi, self.draft_hint(gi, addrs))
             else:
                 entry = (None, addrs, spans)
             self._plan[gi] = entry
@@ -205,7 +216,7 @@ def run_equality(geom: ModelGeometry, config: UlaCacheConfig, prompt_lens: list[
                  n_steps: int, seed: int = 0, peers=None,
                  prefill_chunk: int | None = None,
                  prefill_stage: int | None = None,
-                 prefetch: PrefetchConfig | None = None) -> EqualityReport:
+                 prefetch: PrefetchConfig | None = None, draft_hint=None) -> EqualityReport:
     """Prefill ``len(prompt_lens)`` requests, decode ``n_steps`` greedy steps as one batch, with
     ulacache and fully resident; compare attention outputs, logits, top-k and chosen tokens.
 
@@ -214,7 +225,9 @@ def run_equality(geom: ModelGeometry, config: UlaCacheConfig, prompt_lens: list[
     selections outgrow the GPU pool is served in rounds (:mod:`ulacache.prefill`), or with
     ``prefill_stage`` (rows), every prefill layer through a stage of that many rows.
     ``prefetch``: decode steps prefetch what its sources predict (outputs must not change;
-    ``report.moved_per_step["prefetches"]`` counts the rows).
+    ``report.moved_per_step["prefetches"]`` counts the rows); ``draft_hint(group, addrs)``:
+    what a draft token's query would select, fed to the ``draft`` source (the model does not
+    speculate; see :class:`UlaCacheStore`).
 
     Tokens are chosen by the resident run (greedy) and fed to both, so a divergence is reported
     at the step where it happens instead of cascading.
@@ -231,7 +244,7 @@ def run_equality(geom: ModelGeometry, config: UlaCacheConfig, prompt_lens: list[
     ref_store = ResidentStore(geom.row_bytes)
     ula_store = UlaCacheStore(UlaCache(config, peers=peers,
                                        layer_groups=geom.selection_groups()), prefill_stage,
-                                   prefetch)
+                                   prefetch, draft_hint)
     if config.tp_size > 1 and config.shard_indexer:
         # each rank keeps 1/P of the index keys, scores them, merges the candidates
         ula_model.index_shard = IndexShard(peers.rank, peers.size, peers.all_gather)

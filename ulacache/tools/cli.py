@@ -107,10 +107,13 @@ def _check_replay_options(args: argparse.Namespace) -> None:
         return
     if args.tp_size != 1 or args.buffer_slots is not None:
         raise CliError("--tp-size and --buffer-slots are for --mode tp")
-    bad = [s for s in args.prefetch.split(",") if s and s != "previous_layer"]
-    if bad:
-        raise CliError(f"--prefetch: replay supports previous_layer (the bundled trace has no "
-                       f"draft selections), got {bad}")
+    from ulacache.config import PREFETCH_SOURCES
+
+    names = [s for s in args.prefetch.split(",") if s]
+    bad = [s for s in names if s not in PREFETCH_SOURCES]
+    if bad or len(set(names)) != len(names):
+        raise CliError(f"--prefetch: a comma-separated list of distinct sources from "
+                       f"{', '.join(PREFETCH_SOURCES)}, got {args.prefetch!r}")
     if args.gpu_slots is not None:
         raise CliError("--gpu-slots is for --mode tp: in DP mode ulacache's shared pool gets "
                        "HiSparse's rows at equal GPU memory, requests x (H + 64); size it with "
@@ -315,7 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "replays with it and again without, and reports the D2H of each")
     rp.add_argument("--prefetch", default="", metavar="SOURCES",
                     help="dp mode: also replay with the look-ahead prefetch from these sources "
-                         "(comma-separated; replay supports previous_layer) and report "
+                         "(comma-separated: previous_layer, draft; draft needs a trace with draft "
+                         "selections) and report "
                          "critical-path misses and H2D rows against the run without")
     rp.add_argument("--fetch-cap", type=_int_at_least(0), default=256,
                     help="prefetch: rows per group per step (default 256)")

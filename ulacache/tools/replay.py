@@ -83,31 +83,63 @@ class ReplayResult:
                                "h2d_rows": self.h2d_rows}
 
 
-def prefetched_step(space, engine: PrefetchEngine, addrs: list[torch.Tensor]
-                    ) -> tuple[list[torch.Tensor], int, float]:
+class CountingEngine(PrefetchEngine):
+    """The engine, noting which rows each group's prefetch brought to the GPU this step (for
+    ``prefetched_used``; host-side bookkeeping, its seconds kept apart in ``untimed``). CPU
+    replay only: the prefetch ran by the time :meth:`issue` returns."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fetched: dict[int, torch.Tensor] = {}  # group -> addresses promoted this step
+        self.untimed = 0.0
+
+    def issue(self, group: int, predicted: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        loc = self.core.groups[group].loc
+        G = self.core.config.gpu_slots
+        was_cpu = loc >= G
+        self.untimed += time.perf_counter() - t0
+        super().issue(group, predicted)
+        t0 = time.perf_counter()
+        now_gpu = torch.nonzero(was_cpu & (loc >= 0) & (loc < G)).view(-1)
+        prev = self.fetched.get(group)
+        self.fetched[group] = now_gpu if prev is None else torch.cat([prev, now_gpu])
+        self.untimed += time.perf_counter() - t0
+
+    def used(self, group: int, sel: torch.Tensor) -> int:
+        """Rows ``group``'s prefetches of this step fetched that its access ``sel`` selected."""
+        t0 = time.perf_counter()
+        fetched = self.fetched.pop(group, None)
+        n = 0
+        if fetched is not None:
+            chosen = sel.reshape(-1)
+            n = int(torch.isin(chosen[chosen >= 0].unique(), fetched).sum())
+        self.untimed += time.perf_counter() - t0
+        return n
+
+
+def prefetched_step(space, engine: CountingEngine, addrs: list[torch.Tensor],
+                    drafts: list[torch.Tensor] | None = None) -> tuple[list[torch.Tensor], int]:
     """One step's accesses with the look-ahead engine, as a decode step runs them: group
-    ``g``'s access waits for its own prefetch, then its selection predicts group ``g + 1``'s.
-    Returns (rows per group, prefetched rows the access they were fetched for selected,
-    seconds spent on that count: host-side bookkeeping, not part of the step)."""
-    rows, used, untimed = [], 0, 0.0
-    fetched = None  # addresses the prefetch for this group brought to the GPU
-    G = space.config.gpu_slots
+    ``g``'s access waits for its own prefetch, then its selection is known to the sources
+    (``previous_layer`` issues group ``g + 1``'s prefetch), and so is the draft token's
+    selection at ``g`` (``drafts[g]``, ``int [bs, k]``: the ``draft`` source's prediction for
+    the next step). Returns (rows per group, prefetched rows their access selected)."""
+    rows, used = [], 0
     for g, sel in enumerate(addrs):
         engine.before_access(g)
         rows.append(space.access(g, sel))
-        t0 = time.perf_counter()
-        if fetched is not None:
-            chosen = sel.reshape(-1)
-            used += int(torch.isin(chosen[chosen >= 0].unique(), fetched).sum())
-        nxt = space.groups[g + 1].loc if g + 1 < len(addrs) else None
-        was_cpu = None if nxt is None else nxt >= G
-        untimed += time.perf_counter() - t0
-        engine.selected(g, sel)  # issues group g + 1's prefetch
-        t0 = time.perf_counter()
-        fetched = None if nxt is None else \
-            torch.nonzero(was_cpu & (nxt >= 0) & (nxt < G)).view(-1)
-        untimed += time.perf_counter() - t0
-    return rows, used, untimed
+        used += engine.used(g, sel)
+        engine.selected(g, sel)
+        if drafts is not None:
+            engine.draft_selected(g, drafts[g])
+    return rows, used
+
+
+def _known(positions: torch.Tensor, query: int) -> torch.Tensor:
+    """A draft selection's positions with the draft token's own (``query + 1``, placed by the
+    next step's extend, never on the CPU) as ``-1``."""
+    return torch.where(positions <= query, positions, -1)
 
 
 def live_tokens(trace: Trace, requests: int, steps: int) -> int:
@@ -139,7 +171,9 @@ def replay(trace: Trace, *, requests: int = 4, steps: int = 256, layers: list[in
            prefetch: PrefetchConfig | None = None) -> ReplayResult:
     """Replay ``trace`` through a :class:`UlaCache`; see the module docstring. ``prefetch``:
     run the look-ahead engine (:mod:`ulacache.prefetch`) as a decode step would: group ``g``'s
-    access waits for its prefetch, its selection predicts group ``g + 1``'s."""
+    access waits for its prefetch; its selection predicts group ``g + 1``'s
+    (``previous_layer``), the draft token's selection at step ``t`` predicts step ``t + 1``'s
+    (``draft``: the trace's ``draft_selections``, version 2)."""
     layers = list(range(trace.layers)) if layers is None else layers
     if not layers or any(not 0 <= x < trace.layers for x in layers):
         raise ValueError(f"layers must be non-empty indices in [0, {trace.layers})")
@@ -158,8 +192,14 @@ def replay(trace: Trace, *, requests: int = 4, steps: int = 256, layers: list[in
                          validate=False, shadows=shadows)
     cache = UlaCache(cfg)
     space = cache.space
-    engine = None if prefetch is None or not prefetch.enabled else PrefetchEngine(
+    engine = None if prefetch is None or not prefetch.enabled else CountingEngine(
         space, prefetch, len(layers), cfg.row_layout.row_bytes, space.device)
+    dsel = None  # the draft token's selections, [groups, steps, k] (the draft source)
+    if engine is not None and "draft" in prefetch.sources:
+        if trace.draft_selections is None:
+            raise ValueError("prefetch source 'draft' needs a trace with draft selections "
+                             "(format version 2: ulacache trace record)")
+        dsel = torch.from_numpy(trace.draft_selections[layers]).to(torch.int64)
     bar = _progress(progress, total=sum(int(pos[s]) for s in starts),
                     desc=f"prefill {requests} requests", unit="tok")
     for r, s in enumerate(starts):  # prefill in chunks that fit one round's GPU room
@@ -186,22 +226,26 @@ def replay(trace: Trace, *, requests: int = 4, steps: int = 256, layers: list[in
         p0 = sum(c.seconds for c in clocks)
         t0 = time.perf_counter()
         if engine is not None:
+            engine.untimed = 0.0
             engine.begin_step()
         space.begin_round()
-        if engine is not None:
-            engine.round_started()
         cache.extend_batch(dict.fromkeys(range(requests), 1))
+        if engine is not None:  # after placement: its victims would be the cold prefetched rows
+            engine.round_started()
         t1 = time.perf_counter()
         # the selections are the engine's input: turning positions into addresses is not timed
         addrs = [torch.stack([cache.addresses(r, sel[g, starts[r] + t]) for r in
                               range(requests)]) for g in range(len(layers))]
+        drafts = None if dsel is None else [torch.stack([
+            cache.addresses(r, _known(dsel[g, starts[r] + t], int(pos[starts[r] + t])))
+            for r in range(requests)]) for g in range(len(layers))]
         t2 = time.perf_counter()
         if engine is None:
             rows = [space.access(g, addrs[g]) for g in range(len(layers))]
         else:
-            rows, step_used, untimed = prefetched_step(space, engine, addrs)
+            rows, step_used = prefetched_step(space, engine, addrs, drafts)
             used += step_used
-            t2 += untimed  # the bookkeeping of which prefetched rows were used is not the step's
+            t2 += engine.untimed  # which prefetched rows were used: bookkeeping, not the step
         sched.append(time.perf_counter() - t2 + t1 - t0)
         pol.append(sum(c.seconds for c in clocks) - p0)
         if weight is None:  # a fixed pseudo-random weight per (group, request, rank)
