@@ -78,6 +78,7 @@ from locality import (  # noqa: E402,F401  (re-exported: tests and hisparse_head
 )
 
 from ulacache.group import COUNTERS  # noqa: E402
+from ulacache.prefetch import rank_order  # noqa: E402
 from ulacache.tools import capacity  # noqa: E402
 from ulacache.tools.hisparse import HiSparseBuffer  # noqa: E402
 from ulacache.tools.launches import count_launches, fused_countable, step_launches  # noqa: E402
@@ -97,6 +98,7 @@ TRACE = ROOT / "ulacache" / "tools" / "data" / "gpl3.trace.npz"
 CSV_COLUMNS = ("seed", "tuning", "concurrency", "policy", "gpu_rows", "host_rows",
                "admitted_mean", "admitted_max", "steps", "gpu_hit_rate", "h2d_mb_per_step",
                "d2h_mb_per_step", "d2h_evict_mb_per_step", "d2h_backup_mb_per_step",
+               "prefetch_mb_per_step", "prefetch_excess_ms",
                "control_ms", "attn_ms", "other_ms", "pcie_serial_ms",
                "pcie_duplex_ms", "step_ms", "tokens_per_s", "tokens_per_s_duplex",
                "tokens_per_s_overlap", "tokens_per_s_other_path", "retracted", "overflow",
@@ -177,13 +179,19 @@ class Config:
     device: str = "cpu"  # where --real-rows runs (cuda when available)
     seed: int = 0
     shadows: bool = True  # ulacache: evictions of promoted rows remap to their CPU copy
+    # ulacache_pf: the draft source's look-ahead prefetch (see draft_prediction)
+    prefetch: bool = False
+    acceptance: float = 0.8  # share of steps whose draft was the true next token (assumed)
+    fetch_cap: int = 1 << 24  # rows prefetched per layer per step, full size (the link caps)
+    free_draft: bool = False  # what-if: the draft query's compute is not charged
 
     def scaled(self, s: int) -> Config:
         """This launch at ``1/s`` size (k, H, page and pools divided; see the class)."""
         if s == 1:
             return self
         return replace(self, k=self.k // s, h_slots=self.h_slots // s, page=max(1, self.page // s),
-                       gpu_rows=self.gpu_rows // s, host_rows=self.host_rows // s, scale=s)
+                       gpu_rows=self.gpu_rows // s, host_rows=self.host_rows // s, scale=s,
+                       fetch_cap=max(1, self.fetch_cap // s))
 
 
 def other_seconds(cfg: Config, batch: int) -> float:
@@ -255,6 +263,23 @@ class _Live:
     buf: HiSparseBuffer | None = None  # --real-rows only (else HiSparseCache)
     buffer: int = 0  # --real-rows: HiSparse device buffer index
     host: np.ndarray | None = None  # --real-rows: row of each position (mirror / pool)
+    last_sel: np.ndarray | None = None  # ulacache_pf: the previous step's selection
+
+
+def draft_prediction(cfg: Config, lv: _Live, sel: np.ndarray) -> np.ndarray | None:
+    """The positions the ``draft`` source predicted, at the previous step, for ``lv``'s step
+    selecting ``sel`` (OasisKV's look-ahead: the draft token's query at the next position).
+    With probability ``cfg.acceptance`` (drawn per request and position, reproducible) the draft
+    was the true next token, so its selection is this step's exactly (as in the recorded
+    trace: an accepted draft's top-k is the next step's); otherwise it predicts like the
+    previous step's selection (on the bundled trace a rejected draft's top-64 holds 71.7% of
+    the next step's, the current step's 70.7%: ``ulacache trace stats``). ``None`` on a
+    request's first step after (re)admission: no draft ran yet."""
+    prev, lv.last_sel = lv.last_sel, sel
+    if prev is None:
+        return None
+    u = np.random.default_rng([cfg.seed, lv.req.rid, lv.pos, 23]).random()
+    return sel if u < cfg.acceptance else prev
 
 
 class HiSparseCache:
@@ -341,7 +366,10 @@ def run_level(policy: str, concurrency: int, cfg: Config, requests: list[Request
     (:func:`count_launches`; ``cfg.ula_path`` times the step, the other is reported).
     ``selections`` / ``hisparse``: the seed's shared caches (made here when absent)."""
     system, policy = policy, POLICY[policy]
-    cfg = replace(cfg, shadows=system != "ulacache_wb")  # ulacache_wb: shadows off
+    cfg = replace(cfg, shadows=system != "ulacache_wb",  # ulacache_wb: shadows off
+                  prefetch=system == "ulacache_pf")
+    if cfg.prefetch and cfg.real_rows:
+        raise ValueError("ulacache_pf is simulated only (--real-rows does not prefetch)")
     selections = selections or SelectionCache(model, cfg.k, cfg.seed)
     hisparse = hisparse or HiSparseCache(selections)
     mem = Memory(policy, cfg)
@@ -373,7 +401,7 @@ def run_level(policy: str, concurrency: int, cfg: Config, requests: list[Request
         free_buffers = list(range(cfg.gpu_rows // (cfg.h_slots + cfg.page) - 1, -1, -1))
     other_path = next((p for p in (counts or {}) if p != cfg.ula_path), None)
     keys = ("acc", "hit", "h2d", "d2h", "d2h_evict", "ctl", "ctl_other", "attn", "other",
-            "tokens", "cpu",
+            "tokens", "cpu", "pf", "pf_excess",
             "serial", "duplex", "overlap", "pcie_dx", "other_path")
     tot = dict.fromkeys(keys, 0.0) | dict(overflow=0, finished=0, retracted=0, admitted=[],
                                          steps=0, launches=0)
@@ -391,7 +419,7 @@ def run_level(policy: str, concurrency: int, cfg: Config, requests: list[Request
     def admit(item) -> _Live:
         if isinstance(item, _Live):  # a retracted request: re-prefilled at its length
             lv = item
-            lv.start = lv.pos
+            lv.start, lv.last_sel = lv.pos, None
         else:
             lv = _Live(item, item.input_len, item.output_len, item.input_len)
         if ula is not None:  # placed with the step's other prompts (one prefill round)
@@ -462,7 +490,7 @@ def run_level(policy: str, concurrency: int, cfg: Config, requests: list[Request
             flush()
         sels = [selections.get(lv.req.rid, lv.pos) for lv in running]
         n_sel = sum(x.size for x in sels)
-        acc = hit = h2d_rows = d2h_rows = evict_rows = 0  # (+ this step's prefill D2H below)
+        acc = hit = h2d_rows = d2h_rows = evict_rows = pf_rows = 0  # (+ prefill D2H below)
         t0 = time.perf_counter()
         if ula is not None:
             before = ula.group.counters.clone()
@@ -472,12 +500,21 @@ def run_level(policy: str, concurrency: int, cfg: Config, requests: list[Request
             for i, (lv, x) in enumerate(zip(running, sels)):
                 batch[i, : x.size] = torch.from_numpy(lv.addrs[x])
             new = torch.tensor([lv.addrs[lv.pos] for lv in running], dtype=torch.int64)
+            predicted = None
+            if cfg.prefetch:  # the draft source: last step's draft, rank order over requests
+                guess = torch.full((len(running), cfg.k), -1, dtype=torch.int64)
+                for i, (lv, x) in enumerate(zip(running, sels)):
+                    p = draft_prediction(cfg, lv, x)
+                    if p is not None:
+                        guess[i, : p.size] = torch.from_numpy(lv.addrs[p])
+                predicted = rank_order(guess)
             if real is not None:
                 real.ulacache_step(new, batch)
             else:
-                ula.step(new, batch, timed=False)
+                ula.step(new, batch, timed=False, predicted=predicted, budget=cfg.fetch_cap)
             d = dict(zip(COUNTERS, (ula.group.counters - before).tolist()))
             acc, hit, h2d_rows = d["accesses"], d["gpu_hits"], d["promotions"]
+            pf_rows = d["prefetches"]
             d2h_rows = d["writebacks"] + d["spills"]
             evict_rows = d["rewrites"]  # rows written back a second time; the rest: births
             tot["overflow"] += (d["access_overflow"] + d["place_overflow"]) * in_window
@@ -507,28 +544,41 @@ def run_level(policy: str, concurrency: int, cfg: Config, requests: list[Request
             ctl = ula_control_seconds(cfg, counts[cfg.ula_path], finishing)
             ctl_other = ula_control_seconds(cfg, counts[other_path], finishing) \
                 if other_path else ctl
+            if cfg.prefetch:  # one prefetch per layer per step
+                ctl += cfg.layers * counts[cfg.ula_path]["prefetch"] * cfg.launch_us * 1e-6
+                if other_path:
+                    ctl_other += cfg.layers * counts[other_path]["prefetch"] * cfg.launch_us \
+                        * 1e-6
         elif policy == "hisparse":
             ctl = ctl_other = cfg.layers * cfg.hs_launches * cfg.launch_us * 1e-6
         if cfg.control == "measured":
             ctl = ctl_other = cpu * cfg.layers
         row = cfg.row_bytes * cfg.layers * s  # one simulated row stands for s real rows
-        h2d, d2h = h2d_rows * row, d2h_rows * row
+        h2d, d2h, pf = h2d_rows * row, d2h_rows * row, pf_rows * row
         bw = cfg.pcie_gbs * 1e9
-        attn = attention_seconds(cfg, n_sel * s)
-        other = other_seconds(cfg, len(running))
+        # the draft token's query rides in the batch (its layers' hidden states feed its
+        # indexer): twice the queries in attention and in the batch-bound non-attention term
+        queries = 2 if cfg.prefetch and not cfg.free_draft else 1
+        attn = attention_seconds(cfg, n_sel * s * queries)
+        other = other_seconds(cfg, len(running) * queries)
         compute = ctl + attn + other
-        serial = compute + (h2d + d2h) / bw
-        pcie_dx = duplex_seconds(cfg, h2d, d2h)
+        # overlap model: prefetches run on their own stream while the step computes (the
+        # draft's prediction for a layer is known a whole step before that layer's access);
+        # the link moves them at full rate then, and what does not fit is on the step
+        pf_excess = max(0.0, pf / bw - compute)
+        serial = compute + (h2d + d2h) / bw + pf_excess
+        pcie_dx = duplex_seconds(cfg, h2d, d2h) + pf_excess
         now += serial
         if in_window:
             tot["admitted"].append(len(running))
-            for key, v in (("acc", acc), ("hit", hit), ("h2d", h2d), ("d2h", d2h),
+            for key, v in (("acc", acc), ("hit", hit), ("h2d", h2d), ("d2h", d2h), ("pf", pf),
+                           ("pf_excess", pf_excess),
                            ("d2h_evict", evict_rows * row),
                            ("ctl", ctl), ("ctl_other", ctl_other), ("attn", attn),
                            ("other", other), ("cpu", cpu), ("tokens", len(running)),
                            ("serial", serial),
                            ("duplex", compute + pcie_dx),
-                           ("overlap", max(compute, (h2d + d2h) / bw)),
+                           ("overlap", max(compute, (h2d + d2h + pf) / bw)),
                            ("pcie_dx", pcie_dx),
                            ("other_path", serial - ctl + ctl_other)):
                 tot[key] += v
@@ -568,10 +618,13 @@ def run_level(policy: str, concurrency: int, cfg: Config, requests: list[Request
             "admitted_max": int(max(tot["admitted"], default=0)), "steps": tot["steps"],
             "gpu_hit_rate": tot["hit"] / max(1, tot["acc"]),
             "h2d_mb_per_step": tot["h2d"] / n / 1e6, "d2h_mb_per_step": tot["d2h"] / n / 1e6,
+            "prefetch_mb_per_step": tot["pf"] / n / 1e6,
+            "prefetch_excess_ms": per("pf_excess"),
             "d2h_evict_mb_per_step": tot["d2h_evict"] / n / 1e6,
             "d2h_backup_mb_per_step": (tot["d2h"] - tot["d2h_evict"]) / n / 1e6,
             "control_ms": per("ctl"), "attn_ms": per("attn"), "other_ms": per("other"),
-            "pcie_serial_ms": (tot["h2d"] + tot["d2h"]) / n / (cfg.pcie_gbs * 1e9) * 1e3,
+            "pcie_serial_ms": (tot["h2d"] + tot["d2h"]) / n / (cfg.pcie_gbs * 1e9) * 1e3
+            + per("pf_excess"),
             "pcie_duplex_ms": per("pcie_dx"),
             "step_ms": per("serial"), "tokens_per_s": rate("serial"),
             "tokens_per_s_duplex": rate("duplex"), "tokens_per_s_overlap": rate("overlap"),
@@ -583,11 +636,12 @@ def run_level(policy: str, concurrency: int, cfg: Config, requests: list[Request
 
 # -- equal bytes, tuning, seeds ----------------------------------------------------------------
 ACTIVE_PARAMS_B = {"dsv32": 37.0, "glm5": 40.0}  # activated parameters per token (model cards)
-SYSTEMS = ("ulacache", "ulacache_wb", "hisparse", "resident")
+SYSTEMS = ("ulacache", "ulacache_wb", "ulacache_pf", "hisparse", "resident")
 """``ulacache_wb``: ulacache with shadows off (``--ulacache-config '{"shadows": false}'``):
-every eviction of a row writes it back, as the paper's exclusive tiers do."""
-POLICY = {"ulacache": "ulacache", "ulacache_wb": "ulacache", "hisparse": "hisparse",
-          "resident": "resident"}  # the simulated system behind each
+every eviction of a row writes it back, as the paper's exclusive tiers do. ``ulacache_pf``:
+ulacache with the ``draft`` source's look-ahead prefetch (:func:`draft_prediction`)."""
+POLICY = {"ulacache": "ulacache", "ulacache_wb": "ulacache", "ulacache_pf": "ulacache",
+          "hisparse": "hisparse", "resident": "resident"}  # the simulated system behind each
 
 
 @dataclass(frozen=True)
@@ -605,6 +659,8 @@ class Tuning:
             return f"hisparse H={self.h_slots} x={self.ratio}"
         if self.system == "ulacache_wb":
             return f"ulacache-wb c={self.ratio}"
+        if self.system == "ulacache_pf":
+            return f"ulacache+prefetch c={self.ratio}"
         return f"ulacache c={self.ratio}" if self.system == "ulacache" else "resident"
 
 
@@ -682,7 +738,8 @@ def fair_sweep(base: Config, platform: str, model: str, levels: list[int],
     """Each system tuned on seed 0 (every tuning x level) for each metric's peak (serial,
     duplex, overlap) apart; each metric's best tuning then runs on seeds ``1 .. seeds - 1``;
     the peak ratios per seed and their spread, per metric."""
-    counts = launch_counts(base) if {"ulacache", "ulacache_wb"} & set(grids) else {}
+    counts = launch_counts(base) if {"ulacache", "ulacache_wb", "ulacache_pf"} & set(grids) \
+        else {}
     base = timed_path(base, counts)
     rows: list[dict] = []
     jobs = [(0, t) for ts in grids.values() for t in ts]
@@ -715,7 +772,8 @@ def fair_sweep(base: Config, platform: str, model: str, levels: list[int],
                  for seed in range(seeds)] for s in grids}
     ratios = {}
     for ula, other in (("ulacache", "hisparse"), ("ulacache", "resident"),
-                       ("ulacache_wb", "hisparse"), ("ulacache", "ulacache_wb")):
+                       ("ulacache_wb", "hisparse"), ("ulacache", "ulacache_wb"),
+                       ("ulacache_pf", "hisparse"), ("ulacache_pf", "ulacache")):
         if ula in peaks and other in peaks:
             for m in METRICS:
                 per_seed = [a[m] / b[m] if b[m] else 0.0
@@ -782,8 +840,24 @@ ASSUMPTIONS = [
      "them; ulacache-wb is the same launch with shadows off. D2H is split into eviction "
      "(rows written back a second time) and backup (a row's first copy to the CPU)",
      "neither: same pools, same bytes"),
-    ("Overlap bound max(compute, PCIe): every transfer hidden behind compute, for both alike; "
-     "nothing here prefetches", "ulacache, whose PCIe share is larger"),
+    ("Overlap bound max(compute, PCIe): every transfer hidden behind compute, for both alike",
+     "ulacache, whose PCIe share is larger"),
+    ("ulacache+prefetch (ulacache_pf): the draft source (OasisKV) on the real core's "
+     "SelectionGroup.prefetch, between the step's placement and its access; a draft is the true "
+     "next token on --acceptance of the steps (ASSUMED, not measured: the bundled trace's "
+     "n-gram drafts reach 0.135, an MTP/EAGLE head more) and then predicts the step exactly, "
+     "otherwise it predicts like the previous step's selection (measured on the bundled "
+     "trace: a rejected draft's top-64 holds 71.7% of the next step's, the current step's "
+     "70.7%)", "ulacache_pf when the real acceptance is lower"),
+    ("Prefetch overlap model: prefetch copies move at full link rate while the step computes "
+     "(control + attention + non-attention) and only their excess over it is on the step; "
+     "critical-path transfers stay serial. The draft token's query is charged: twice the "
+     "attention and twice the batch in the non-attention roofline, and 4 launches per layer "
+     "(counted). HiSparse's own prefetch (SGLang 0.5.23, shared-index models only) does "
+     "nothing for DeepSeek-V3.2 / GLM-5 (one indexer per layer): its figures are unchanged",
+     "ulacache_pf in the overlap (not measured yet: bench/prefetch_overlap.py on a GPU); "
+     "HiSparse in the draft's cost, which speculative verification would turn into accepted "
+     "tokens for both"),
     ("Step = control (2 us per counted launch) + sparse-MLA roofline + non-attention roofline "
      "max(weights / HBM, batch x 2 x active params / 400 TFLOP/s)", "neither in the rooflines "
      "(the same for both; the batch-dependent term penalises whoever admits more); the control "
@@ -860,6 +934,16 @@ def markdown(res: dict) -> str:
         pair, metric = key.split(" ")
         lines.append(f"- {pair}, {names[metric]}: x{v['mean']:.2f} ({v['min']:.2f} - "
                      f"{v['max']:.2f})")
+    with_pf, without = (spread.get(f"{u}/hisparse tokens_per_s") for u in ("ulacache_pf",
+                                                                          "ulacache"))
+    if with_pf and without:
+        free = ", WHAT-IF: the draft query's compute not charged" if cfg.get("free_draft") \
+            else ""
+        lines += ["", f"**Prefetch** (draft source, acceptance {cfg['acceptance']} assumed, "
+                  f"overlap model{free}): peak decode tokens/s vs HiSparse with prefetch "
+                  f"x{with_pf['mean']:.2f} ({with_pf['min']:.2f} - {with_pf['max']:.2f}), "
+                  f"without x{without['mean']:.2f} ({without['min']:.2f} - "
+                  f"{without['max']:.2f}), in the same run (serial PCIe; goal x1.3)"]
     lines += ["", "Assumptions, and whom each favours:", ""]
     lines += [f"- {a}. Favours: {who}." for a, who in ASSUMPTIONS]
     counts = res.get("ula_launch_counts") or {}
@@ -934,6 +1018,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wb-ratios", default="1,2,4",
                     help="cpu_ratio values for ulacache with shadows off (ulacache_wb); its "
                          "peaks fall past c = 2 in every column, as ulacache's do")
+    ap.add_argument("--pf-ratios", default="1,2,3,4",
+                    help="cpu_ratio values for ulacache with the draft prefetch (ulacache_pf)")
+    ap.add_argument("--acceptance", type=float, default=d.acceptance,
+                    help="ulacache_pf: share of steps whose draft was the true next token "
+                         "(assumed; the bundled trace's n-gram drafts: 0.135)")
+    ap.add_argument("--fetch-cap", type=int, default=d.fetch_cap,
+                    help="ulacache_pf: rows prefetched per layer per step (full size)")
+    ap.add_argument("--free-draft", action="store_true",
+                    help="ulacache_pf what-if: the draft query's compute is not charged (as "
+                         "if a speculative decoder already ran it); labelled in the output")
     ap.add_argument("--no-tune", action="store_true",
                     help="use the first value of each tuning list only")
     ap.add_argument("--seeds", type=int, default=3)
@@ -975,6 +1069,7 @@ def main(argv: list[str] | None = None) -> int:
                               for x in _ints(a.hs_ratios)],
                  "ulacache": [Tuning("ulacache", c) for c in _ints(a.ula_ratios)],
                  "ulacache_wb": [Tuning("ulacache_wb", c) for c in _ints(a.wb_ratios)],
+                 "ulacache_pf": [Tuning("ulacache_pf", c) for c in _ints(a.pf_ratios)],
                  "resident": [Tuning("resident")]}
     except ValueError as e:
         ap.error(f"lists are comma-separated integers: {e}")
@@ -982,6 +1077,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--levels, --seeds, --scale and --steps must be positive")
     if a.duplex_factor is not None and not 1.0 <= a.duplex_factor <= 2.0:
         ap.error("--duplex-factor must be in [1, 2] (1.0: serial, 2.0: full duplex)")
+    if not 0.0 <= a.acceptance <= 1.0 or a.fetch_cap < 0:
+        ap.error("--acceptance must be in [0, 1] and --fetch-cap >= 0")
+    if a.real_rows and "ulacache_pf" in policies:
+        ap.error("--real-rows does not prefetch: leave ulacache_pf out of --policies")
     if any(p not in SYSTEMS for p in policies):
         ap.error(f"--policies must be among {SYSTEMS}")
     if any(not g for g in grids.values()):

@@ -4,25 +4,31 @@
 #   bash bench/device_check.sh LOGDIR
 #
 # 1. pytest -m gpu (all GPU-marked tests: each kernel vs its reference per compile backend, the
-#    decode graph, stream order, CUDA IPC peers, TP mode in two processes on one GPU),
+#    decode graph, the prefetch path captured and sync-free, stream order, CUDA IPC peers, TP
+#    mode in two processes on one GPU),
 # 2. bench/bandwidth.py --json --sweep (ceilings and every kernel at 656/1152 B x 2K/16K/131K,
 #    and the duplex factor (H2D + D2H) / swap that bench/decode_sweep.py --duplex-factor takes),
 # 3. bench/access_bench.py --quick (fused access vs the torch path: launches, identical
 #    results, time ratio, access / data-movement; graph-captured),
-# 4. bench/hisparse_head_to_head.py --quick (when SGLang's kernel sources are carried; its
+# 4. bench/prefetch_overlap.py --quick (the prefetch stream's copies against an attention-sized
+#    kernel on the forward stream, as a ratio to the serial time; plain pinned H2D copies of the
+#    same bytes as the control),
+# 5. bench/hisparse_head_to_head.py --quick (when SGLang's kernel sources are carried; its
 #    ulacache side runs the fused path, the default on CUDA),
-# 5. bench/decode_sweep.py --real-rows (concurrency 64 and 128, 16 steps: one layer of real
+# 6. bench/decode_sweep.py --real-rows (concurrency 64 and 128, 16 steps: one layer of real
 #    FP8 rows per step through ulacache's fused access, HiSparse's data movement and a torch
 #    sparse-MLA stand-in, timed; measured peak ratios),
-# 6. a short summary table (bench/device_summary.py), printed last, with the targets marked; a
+# 7. a short summary table (bench/device_summary.py), printed last, with the targets marked; a
 #    bench that could not run is "not measured" with its own one-line reason, never rc=0.
 # Full logs go to LOGDIR: pytest_gpu.log, bandwidth.json, bandwidth.log, access.json,
-# access.log, hisparse_h2h.json, decode_sweep/ (csv, md, json), summary.txt.
+# access.log, prefetch_overlap.json, prefetch_overlap.log, hisparse_h2h.json, decode_sweep/
+# (csv, md, json), summary.txt.
 # Exit code: 0 when tests pass and the bench ran (targets are reported, not enforced),
-# 1 on a test failure, 2 when the bench could not run.
+# 1 on a test failure (or a bench that found its own result invalid: access, prefetch_overlap),
+# 2 when the bench could not run.
 # Environment: PYTHON (default python3), PYTEST_TIMEOUT (default 200 s), BENCH_TIMEOUT (110 s),
-# ACCESS_TIMEOUT (60 s), H2H_TIMEOUT (90 s), SWEEP_TIMEOUT (60 s). Typical runs are well
-# inside 6 minutes; the worst case (every step at its timeout) is 520 s.
+# ACCESS_TIMEOUT (60 s), PREFETCH_TIMEOUT (45 s), H2H_TIMEOUT (80 s), SWEEP_TIMEOUT (90 s).
+# Typical runs are well inside 6 minutes; the worst case (every step at its timeout) is 585 s.
 #
 # The lent H200's image has torch, Triton, CuPy, prometheus_client and hypothesis but not
 # msgspec (the core's config library). Carry its wheel (docs/benchmarks.md, "Device check"):
@@ -106,12 +112,22 @@ timeout "${ACCESS_TIMEOUT:-60}" "$PY" bench/access_bench.py --quick --pools 16,2
 ACCESS_RC=$?
 tail -n 12 "$LOGDIR/access.log"
 
+# The look-ahead prefetch (ulacache/prefetch.py) under real overlap: the engine's side stream
+# (the group's fused prefetch, 4096 FP8 rows per group) against an attention-sized bmm on the
+# forward stream, alone and together, as a ratio to the serial time; plain torch H2D copies of
+# the same bytes on a side stream are the control. Exits 2 with one line where it cannot run.
+echo "== bench/prefetch_overlap.py --quick --json"
+timeout "${PREFETCH_TIMEOUT:-45}" "$PY" bench/prefetch_overlap.py --quick --json \
+    > "$LOGDIR/prefetch_overlap.json" 2> "$LOGDIR/prefetch_overlap.log"
+PREFETCH_RC=$?
+tail -n 8 "$LOGDIR/prefetch_overlap.log"
+
 # HiSparse's own swap-in kernel vs ulacache's access on identical selections (issue 11): runs
 # when the sglang and apache-tvm-ffi wheels are carried in .whl-hisparse/ (see the script's
 # header); otherwise it says why in one line and exits 2 ("not measured" in the summary). Its
 # runtime is not measured yet.
 echo "== bench/hisparse_head_to_head.py --quick --json"
-timeout "${H2H_TIMEOUT:-90}" "$PY" bench/hisparse_head_to_head.py --quick --json \
+timeout "${H2H_TIMEOUT:-80}" "$PY" bench/hisparse_head_to_head.py --quick --json \
     > "$LOGDIR/hisparse_h2h.json" 2> "$LOGDIR/hisparse_h2h.log"
 H2H_RC=$?
 tail -n 25 "$LOGDIR/hisparse_h2h.log"
@@ -129,8 +145,9 @@ SWEEP_RC=$?
 tail -n 8 "$LOGDIR/decode_sweep.log"
 
 "$PY" bench/device_summary.py "$LOGDIR" "$T0" pytest="$PYTEST_RC" bandwidth="$BENCH_RC" \
-    access="$ACCESS_RC" hisparse_h2h="$H2H_RC" decode_sweep="$SWEEP_RC" | tee "$LOGDIR/summary.txt"
+    access="$ACCESS_RC" prefetch_overlap="$PREFETCH_RC" hisparse_h2h="$H2H_RC" \
+    decode_sweep="$SWEEP_RC" | tee "$LOGDIR/summary.txt"
 
-if [ "$PYTEST_RC" -ne 0 ] || [ "$ACCESS_RC" -eq 1 ]; then exit 1; fi
+if [ "$PYTEST_RC" -ne 0 ] || [ "$ACCESS_RC" -eq 1 ] || [ "$PREFETCH_RC" -eq 1 ]; then exit 1; fi
 if [ "$BENCH_RC" -ne 0 ]; then exit 2; fi
 exit 0

@@ -1,7 +1,7 @@
 """The summary table ``bench/device_check.sh`` prints last (and writes to LOGDIR/summary.txt).
 
     python bench/device_summary.py LOGDIR T0 pytest=RC bandwidth=RC access=RC \\
-        hisparse_h2h=RC decode_sweep=RC
+        prefetch_overlap=RC hisparse_h2h=RC decode_sweep=RC
 
 Each stage's figures come from its JSON in LOGDIR. A stage that exited 2 is "not measured"
 (the benches say why in one stderr line, kept in its log, and that line is shown); any other
@@ -19,9 +19,11 @@ from collections import Counter
 from pathlib import Path
 
 LOGS = {"bandwidth": ("bandwidth.json", "bandwidth.log"), "access": ("access.json", "access.log"),
+        "prefetch_overlap": ("prefetch_overlap.json", "prefetch_overlap.log"),
         "hisparse_h2h": ("hisparse_h2h.json", "hisparse_h2h.log"),
         "decode_sweep": ("decode_sweep.json", "decode_sweep.log")}
 UNMEASURED = 2  # the benches' exit status when nothing could be measured (no CUDA, no sources)
+OVERLAP_TARGET = 0.75  # bench/prefetch_overlap.py's TARGET_RATIO, when its JSON lacks one
 
 
 def last_line(path: Path) -> str:
@@ -100,6 +102,25 @@ def access_lines(acc: dict) -> list[str]:
     return lines
 
 
+def overlap_lines(res: dict) -> list[str]:
+    """bench/prefetch_overlap.py: the prefetch stream against the attention stand-in, as a
+    ratio to the serial time (target marked), and the plain pinned-copy control."""
+    att, pf, ct = res["attention"], res["prefetch"], res["control"]
+    tgt = res.get("target_ratio", OVERLAP_TARGET)
+    mark = "ok" if pf["ratio"] <= tgt else "MISS"
+    if pf["ideal"] > tgt:
+        mark += f" (ideal {pf['ideal']:.2f} > {tgt}: sides unbalanced)"
+    lines = [f"{'':<10}{'alone ms':>9}{'GB/s':>7}{'+attn ms':>9}{'ratio':>7}{'ideal':>7}"
+             f"{'hidden':>7}  target <= {tgt}"]
+    for name, r, tail in (("prefetch", pf, mark), ("torch H2D", ct, "(control)")):
+        lines.append(f"{name:<10}{r['ms']:>9.3f}{r['gbps']:>7.1f}{r['both_ms']:>9.3f}"
+                     f"{r['ratio']:>7.3f}{r['ideal']:>7.3f}{r['hidden']:>7.2f}  {tail}")
+    lines.append(f"  attention {att['ms']:.3f} ms over {att['layers']} layers; "
+                 f"{pf['rows_per_step_median']:.0f} rows prefetched per step"
+                 + ("" if res.get("launch_hidden", True) else "; host launches NOT hidden"))
+    return lines
+
+
 def h2h_lines(res: dict) -> list[str]:
     lines = [f"{'system':<10}{'batch':>6}{'context':>9}{'hit':>7}{'us/step':>9}{'valid':>6}"]
     for r in res.get("rows", []):
@@ -129,7 +150,8 @@ def main(argv: list[str]) -> int:
     out = [f"== summary ({time.time() - t0:.0f} s)"]
     out += pytest_lines(logdir, rcs.get("pytest", 1))
     for stage, fmt in (("bandwidth", bandwidth_lines), ("access", access_lines),
-                       ("hisparse_h2h", h2h_lines), ("decode_sweep", sweep_lines)):
+                       ("prefetch_overlap", overlap_lines), ("hisparse_h2h", h2h_lines),
+                       ("decode_sweep", sweep_lines)):
         res, status = load(logdir, stage, rcs.get(stage, 1))
         out.append(status)
         if res is not None:

@@ -72,8 +72,9 @@ _ULACACHE_CONFIG_HELP = (
     "call_entries (entries per kernel call, its scratch allocated once; default GPU pool + "
     "buffer + 8192: prefill page tables are translated in pieces of it), prefill_stage (mode "
     "dp: tokens of the one-layer stage a prefill longer than the GPU pool reads its selections "
-    "from; default the model's context length, 0: none), prefetch (the look-ahead prefetch's "
-    "section; its sources are refused here until the seam reads them, docs/prefetch.md); "
+    "from; default the model's context length, 0: none), prefetch (look-ahead prefetch: "
+    "{\"sources\": [\"previous_layer\", \"draft\"], \"fetch_cap\": rows per layer per "
+    "step, \"link_gbps\" with \"step_ms\"}; draft needs EAGLE/MTP verify; docs/prefetch.md); "
     "mode tp "
     "adds buffer_slots and shard_indexer. Example: "
     '\'{"mode": "dp", "cpu_ratio": 4}\'.'

@@ -21,6 +21,7 @@ from sglang.srt.managers.hisparse_coordinator import HiSparseCoordinator, HiSpar
 
 from ulacache.core import Core
 from ulacache.errors import ConfigError, StaleSelectionError
+from ulacache.prefetch import PrefetchEngine
 from ulacache.streams import capturing
 
 from .sglang_metrics import MetricsBridge
@@ -67,8 +68,31 @@ class UlaCacheCoordinator(HiSparseCoordinator):
         self._producer_stream = None
         # ulacache's counters in SGLang's /metrics (--enable-metrics), from the host snapshot
         self.metrics = MetricsBridge(self.core)
+        self.prefetch = self._prefetch_engine(R, top_k, num_draft_tokens)
         logger.info("ulacache coordinator: %d request rows, top-k %d, %d selection groups",
                     R, top_k, len(self.core.groups))
+
+    def _prefetch_engine(self, rows: int, top_k: int, draft_tokens: int
+                         ) -> PrefetchEngine | None:
+        """The look-ahead prefetch of ``--ulacache-config`` ``prefetch`` (off: ``None``).
+        Every prefetch is issued inside the forward (``forward_only``: group g's once group
+        g - 1's selection is known), so SGLang's decode and verify graphs capture it whole;
+        the draft source's buffers (one row per request slot) exist before any capture."""
+        cfg = self.mem_pool_device.ula_options.prefetch
+        if not cfg.enabled:
+            return None
+        if "draft" in cfg.sources and draft_tokens < 2:
+            raise ConfigError("--ulacache-config prefetch source 'draft' reads the selections "
+                              "of a speculative verify batch: it needs EAGLE/EAGLE3/MTP with "
+                              "--speculative-num-draft-tokens >= 2 (this launch has none); "
+                              "legal without: previous_layer")
+        layers = max(len(g.layers) for g in self.core.groups)
+        engine = PrefetchEngine(self.core, cfg, len(self.core.groups),
+                                self.core.config.row_layout.row_bytes * layers, self.core.device,
+                                forward_only=True, draft_shape=(rows, top_k))
+        logger.info("ulacache prefetch: sources %s, %d rows per group per step",
+                    ", ".join(cfg.sources), engine.cap)
+        return engine
 
     def _check_groups(self, shared_index_layers: list[bool] | None) -> None:
         """Refuse to start when the pool's selection groups disagree with the model's top-k
@@ -129,13 +153,24 @@ class UlaCacheCoordinator(HiSparseCoordinator):
     def map_last_loc_to_buffer(self, seq_lens, out_cache_loc, req_pool_indices, seq_lens_cpu,
                                req_pool_indices_cpu) -> None:
         """A decode step starts: new PB-LRU round, then the new tokens get GPU slots."""
-        self.core.begin_round()
-        self._place_fresh(out_cache_loc)
+        self._start_step(out_cache_loc)
         self.metrics.update()
 
     def prepare_spec_verify(self, batch) -> None:
-        self.core.begin_round()
-        self._place_fresh(batch.out_cache_loc)
+        self._start_step(batch.out_cache_loc)
+
+    def _start_step(self, locs: torch.Tensor) -> None:
+        """A new PB-LRU round and the step's tokens placed; with prefetch, every earlier
+        prefetch has landed first and the per-step budgets are refilled (on the core stream,
+        which the forward's accesses run on)."""
+        pf = self.prefetch
+        with self.core.stream.scope():
+            if pf is not None:
+                pf.begin_step()
+            self.core.begin_round()
+            self._place_fresh(locs)
+            if pf is not None:
+                pf.round_started()
 
     def _place_fresh(self, locs: torch.Tensor) -> None:
         """GPU slots for tokens about to be written. A paged allocator hands a position the
@@ -223,8 +258,16 @@ class UlaCacheCoordinator(HiSparseCoordinator):
         # it: padding, as in prefill_rows (validate on used to refuse them as dead addresses).
         valid = (pos >= 0) & real.unsqueeze(1) & (addrs >= self.page_size)
         out = self._rows_out[gi][:n]
+        addrs = torch.where(valid, addrs, -1)
+        pf = self.prefetch
+        if pf is not None:
+            pf.before_access(gi)  # this group's prefetch, issued at the previous group's
         # kv_buffer rows straight into the graph-stable output (the kernels add row_base)
-        self.core.plan(gi, torch.where(valid, addrs, -1), out)  # TP: collective
+        self.core.plan(gi, addrs, out)  # TP: collective
+        if pf is not None:
+            pf.selected(gi, addrs)  # previous_layer: group gi + 1's prefetch starts now
+            if steps > 1:  # a verify batch: its last draft position looks one step ahead
+                pf.draft_selected(gi, addrs.view(bs, steps, K)[:, -1])
         self.core.load(layer_id - self._start_layer)
         self._anchor_step[gi] = (self.core.round_serial, n)
         return out.view(shape)

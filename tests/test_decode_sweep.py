@@ -63,14 +63,17 @@ def test_end_to_end_writes_csv_md_json(tmp_path, triton):
         [sys.executable, str(ROOT / "bench" / "decode_sweep.py"), "--json", "--quiet",
          "--levels", "2,4", "--steps", "5", "--warmup", "2", "--seeds", "2", "--scale", "32",
          "--requests", "40", "--hs-buffers", "4096", "--hs-ratios", "2,4", "--ula-ratios",
-         "2,4", "--wb-ratios", "2,4", "--max-input", "3000", "--max-output", "64", "--trace",
-         str(FIXTURE), "--no-png", "--out", str(tmp_path)],
+         "2,4", "--wb-ratios", "2,4", "--pf-ratios", "2,4", "--max-input", "3000",
+         "--max-output", "64", "--trace", str(FIXTURE), "--no-png", "--out", str(tmp_path)],
         capture_output=True, text=True, check=True, timeout=300, env=env)
     res = json.loads(out.stdout)
     assert set(res["ula_launch_counts"]) == ({"fused", "torch"} if triton else {"torch"})
     assert res["config"]["ula_path"] == ("fused" if triton else "torch")
-    assert set(res["best"]) == {"ulacache", "ulacache_wb", "hisparse", "resident"}
-    assert len(res["tunings"]) == 2 + 2 + 2 + 1
+    assert set(res["best"]) == {"ulacache", "ulacache_wb", "ulacache_pf", "hisparse",
+                                "resident"}
+    assert len(res["tunings"]) == 2 + 2 + 2 + 2 + 1
+    assert "ulacache_pf/hisparse tokens_per_s" in res["peak_ratios"]
+    assert "ulacache_pf/ulacache tokens_per_s" in res["peak_ratios"]
     assert "ulacache/ulacache_wb tokens_per_s" in res["peak_ratios"]
     assert "ulacache_wb/hisparse tokens_per_s" in res["peak_ratios"]
     for key in ("ulacache/hisparse tokens_per_s", "ulacache/hisparse tokens_per_s_duplex",
@@ -245,6 +248,32 @@ def test_tiered_policies_miss_when_history_exceeds_gpu(model):
     assert on["d2h_mb_per_step"] < off["d2h_mb_per_step"]
 
 
+def test_draft_prefetch_moves_misses_off_the_critical_path(model):
+    """ulacache_pf: the same launch and admission as ulacache; with every draft accepted the
+    access's misses (critical-path H2D) mostly become prefetches; with none, the prediction
+    is the previous step's selection, which is resident: almost nothing moves. The draft's
+    query doubles the attention, and prefetch bytes the step's compute cannot hide are on the
+    step (a slow link)."""
+    cfg = ds.Config(**TINY)
+    base = ds.run_level("ulacache", 16, cfg, _requests(), model)
+    exact = ds.run_level("ulacache_pf", 16, replace(cfg, acceptance=1.0), _requests(), model)
+    never = ds.run_level("ulacache_pf", 16, replace(cfg, acceptance=0.0), _requests(), model)
+    assert exact["admitted_mean"] == base["admitted_mean"]
+    assert exact["h2d_mb_per_step"] < 0.5 * base["h2d_mb_per_step"]
+    assert exact["prefetch_mb_per_step"] > 0.5 * base["h2d_mb_per_step"]
+    assert exact["gpu_hit_rate"] > base["gpu_hit_rate"]
+    assert never["prefetch_mb_per_step"] < 0.2 * exact["prefetch_mb_per_step"]
+    assert exact["attn_ms"] == pytest.approx(2 * base["attn_ms"], rel=0.05)
+    assert base["prefetch_mb_per_step"] == 0 and base["prefetch_excess_ms"] == 0
+    slow = ds.run_level("ulacache_pf", 16, replace(cfg, acceptance=1.0, pcie_gbs=0.01),
+                        _requests(), model)
+    assert slow["prefetch_excess_ms"] > 0
+    capped = ds.run_level("ulacache_pf", 16, replace(cfg, acceptance=1.0, fetch_cap=0),
+                          _requests(), model)
+    assert capped["prefetch_mb_per_step"] == 0
+    assert capped["h2d_mb_per_step"] == pytest.approx(base["h2d_mb_per_step"])
+
+
 def test_duplex_time_follows_the_measured_factor():
     """Factor 1.0 is serial, 2.0 (and no measurement) the ideal max(H2D, D2H); in between the
     paired bytes cost 2 / F each."""
@@ -272,7 +301,8 @@ def test_launch_counts_are_the_real_paths():
     if not fused_countable():
         pytest.skip("counting the fused path needs Triton: pip install 'ulacache[cuda]'")
     fused = ds.count_launches("fused", 61)
-    assert fused == {"round": 1, "place": 4, "access": 4, "release": 3, "syncs": 0}
+    assert fused == {"round": 1, "place": 4, "access": 4, "release": 3, "prefetch": 4,
+                     "syncs": 0}
     torch_path = ds.count_launches("torch", 61)
     assert torch_path["round"] > 61 * 10 and torch_path["access"] > 100
     cfg = ds.Config(layers=61, launch_us=2.0)

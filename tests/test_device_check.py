@@ -1,17 +1,24 @@
 """bench/device_check.sh's command line and its summary (bench/device_summary.py): a usage
-line for --help, refusals of a missing or extra argument, and a bench that could not run shown
-as "not measured" with its own reason, never as an internal error or rc=0."""
+line for --help, refusals of a missing or extra argument, a bench that could not run shown
+as "not measured" with its own reason, never as an internal error or rc=0, the header's steps
+and timeouts matching the script, and bench/prefetch_overlap.py's figures and CPU refusal."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "device_check.sh"
 SUMMARY = ROOT / "bench" / "device_summary.py"
+OVERLAP = ROOT / "bench" / "prefetch_overlap.py"
 
 
 def _sh(*args: str) -> subprocess.CompletedProcess:
@@ -96,3 +103,125 @@ def test_duplex_factor_arithmetic():
     assert bw.duplex_row(656, 100, 0.3, 0.2, 0.5)["duplex_factor"] == 1.0
     r = bw.duplex_row(1152, 2048, 0.3, 0.3, 0.4)
     assert (r["serial_ms"], r["swap_ms"], r["duplex_factor"]) == (0.6, 0.4, 1.5)
+
+
+def test_header_lists_every_timeout_with_its_default_and_the_worst_case_sum():
+    """The header's environment list is the script's timeouts with the defaults it uses, and
+    its worst case is their sum (every step at its timeout)."""
+    lines = SCRIPT.read_text().splitlines()
+    header = "\n".join(x for x in lines if x.startswith("#"))
+    code = "\n".join(x for x in lines if not x.lstrip().startswith("#"))
+    used = {k: int(v) for k, v in re.findall(r"\$\{(\w+_TIMEOUT):-(\d+)\}", code)}
+    documented = {k: int(v) for k, v in
+                  re.findall(r"(\w+_TIMEOUT) \((?:default )?(\d+) s\)", header)}
+    assert used == documented and "PREFETCH_TIMEOUT" in used
+    worst = re.search(r"worst case \(every step at its timeout\) is (\d+) s", header)
+    assert worst and int(worst.group(1)) == sum(used.values())
+
+
+def test_script_runs_the_prefetch_overlap_step_and_hands_its_status_to_the_summary():
+    text = SCRIPT.read_text()
+    assert 'bench/prefetch_overlap.py --quick --json' in text
+    assert '> "$LOGDIR/prefetch_overlap.json" 2> "$LOGDIR/prefetch_overlap.log"' in text
+    assert 'prefetch_overlap="$PREFETCH_RC"' in text
+    assert '[ "$PREFETCH_RC" -eq 1 ]' in text  # an invalid measurement fails the check
+    steps = re.findall(r"^# (\d)\. ", text, flags=re.M)
+    assert steps == [str(i) for i in range(1, len(steps) + 1)]
+    assert "# 4. bench/prefetch_overlap.py --quick" in text
+
+
+def _overlap_result(a: float, b: float, both: float, copy: float = 0.15,
+                    copy_both: float = 0.31) -> dict:
+    """bench/prefetch_overlap.py's JSON, assembled by its own report() from stand-in medians."""
+    from tests.helpers import load_bench
+
+    po = load_bench("prefetch_overlap")
+    args = po.parse_args(["--quick"])
+    groups = list(range(1, args.layers))
+    setup = SimpleNamespace(groups=groups, row_bytes=656, layers_per_group=1, n=40960,
+                            hits=12288, fused=True)
+    attn = SimpleNamespace(what="bmm ...", gflop=36.5)
+    reps = 3
+    bench = SimpleNamespace(
+        times={"attention": [a] * reps, "prefetch": [b] * reps, "both": [both] * reps,
+               "copy": [copy] * reps, "copy_both": [copy_both] * reps},
+        moved={"prefetch": [[args.rows] * len(groups)] * reps,
+               "both": [[args.rows] * len(groups)] * reps},
+        evicted={"prefetch": [(0, args.rows * len(groups))] * reps,
+                 "both": [(0, args.rows * len(groups))] * reps},
+        bytes_per_group=args.rows * 656)
+    timer = SimpleNamespace(host_ms=[0.6, 0.8], sleep_ms=2.0)
+    env = {"device": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0",
+           "access_path": "fused", "python": "3.12.3"}
+    return po.report(args, env, setup, attn, bench, timer, 12.0)
+
+
+def test_summary_shows_the_overlap_ratio_against_its_target(tmp_path):
+    res = _overlap_result(0.3, 0.2, 0.35)
+    assert (res["prefetch"]["ratio"], res["prefetch"]["ideal"]) == (0.7, 0.6)
+    assert res["prefetch"]["gbps"] == round(3 * 4096 * 656 / 0.2e-3 / 1e9, 2)
+    assert res["target_met"] and res["launch_hidden"] and res["notes"] == []
+    (tmp_path / "prefetch_overlap.json").write_text(json.dumps(res) + "\n")
+    (tmp_path / "prefetch_overlap.log").write_text("")
+    out = _summary(tmp_path, pytest=0, prefetch_overlap=0)
+    assert "prefetch_overlap: ok" in out
+    row = next(x for x in out.splitlines() if x.startswith("prefetch "))
+    assert row.split()[1:] == ["0.200", f"{res['prefetch']['gbps']:.1f}", "0.350", "0.700",
+                               "0.600", "0.75", "ok"], row
+    control = next(x for x in out.splitlines() if x.startswith("torch H2D"))
+    assert "0.689" in control and "(control)" in control
+    assert "12288 rows prefetched per step" in out and "target <= 0.75" in out
+
+    (tmp_path / "prefetch_overlap.json").write_text(json.dumps(_overlap_result(0.3, 0.2, 0.45)))
+    assert "0.900  0.600   0.25  MISS" in _summary(tmp_path, prefetch_overlap=0)
+    unbalanced = _overlap_result(0.9, 0.1, 0.95)
+    assert unbalanced["notes"] and not unbalanced["target_met"]
+    (tmp_path / "prefetch_overlap.json").write_text(json.dumps(unbalanced))
+    assert "MISS (ideal 0.90 > 0.75: sides unbalanced)" in _summary(tmp_path, prefetch_overlap=0)
+
+
+def test_summary_says_the_overlap_was_not_measured_with_its_reason(tmp_path):
+    (tmp_path / "prefetch_overlap.json").write_text("")
+    (tmp_path / "prefetch_overlap.log").write_text(
+        "prefetch_overlap: needs CUDA (torch 2.13.0+cpu sees no CUDA device); nothing measured\n")
+    out = _summary(tmp_path, pytest=0, prefetch_overlap=2)
+    assert "prefetch_overlap: not measured: prefetch_overlap: needs CUDA (torch" in out
+    (tmp_path / "prefetch_overlap.log").write_text(
+        "filled ...\nprefetch_overlap: FAILED: a timed prefetch moved nothing (both step 3, "
+        "group 2: 0 of 4096 rows)\n")
+    out = _summary(tmp_path, pytest=0, prefetch_overlap=1)
+    assert "prefetch_overlap: FAILED (exit 1): prefetch_overlap: FAILED: a timed prefetch " \
+           "moved nothing" in out
+
+
+def test_overlap_arithmetic():
+    """Serial: both = a + b (ratio 1, nothing hidden); perfect: both = max(a, b)."""
+    from tests.helpers import load_bench
+
+    po = load_bench("prefetch_overlap")
+    assert po.overlap(1.0, 1.0, 2.0) == {"ratio": 1.0, "ideal": 0.5, "hidden": 0.0}
+    assert po.overlap(1.0, 1.0, 1.0) == {"ratio": 0.5, "ideal": 0.5, "hidden": 1.0}
+    assert po.overlap(3.0, 1.0, 3.5) == {"ratio": 0.875, "ideal": 0.75, "hidden": 0.5}
+
+
+@pytest.mark.parametrize("extra", [[], ["--json"]])
+def test_prefetch_overlap_without_cuda_exits_2_with_one_line(extra):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is present: the bench measures (bench/device_check.sh runs it)")
+    p = subprocess.run([sys.executable, str(OVERLAP), "--quick", *extra], capture_output=True,
+                       text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 2 and p.stdout == ""
+    lines = p.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("prefetch_overlap: needs CUDA ("), p.stderr
+
+
+def test_prefetch_overlap_refuses_bad_arguments_with_exit_2():
+    from tests.helpers import load_bench
+
+    po = load_bench("prefetch_overlap")
+    for argv in (["--rows", "0"], ["--layers", "1"], ["--pred-hit", "1"],
+                 ["--rows", "4096", "--cpu-slots", "8192"],
+                 ["--rows", "16000", "--pred-hit", "0.5"]):  # one call: 16000 + 16000 entries
+        with pytest.raises(SystemExit) as e:
+            po.parse_args(argv)
+        assert e.value.code == 2, argv

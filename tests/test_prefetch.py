@@ -103,11 +103,9 @@ def test_waits_are_layer_local_and_a_step_fences_every_prefetch():
     log.clear()
     model.decode_step([0, 1], torch.tensor([1, 2]), store)
     G = geom.n_groups
-    want = [("fence", -1)]
-    for g in range(G):
-        want.append(("wait", g))
-        if g + 1 < G:
-            want.append(("prefetch", g + 1))
+    want = [("fence", -1)]  # group 0: no previous layer, no prefetch, nothing to wait for
+    for g in range(1, G):
+        want += [("prefetch", g), ("wait", g)]
     assert log == want
 
 
@@ -233,8 +231,10 @@ def test_engine_config_and_link_budget():
         PrefetchConfig(sources=("draft", "draft"))
     from ulacache.config import SGLangOptions
 
-    with pytest.raises(ConfigError, match="not wired into the SGLang seam"):
-        SGLangOptions.from_json('{"prefetch": {"sources": ["previous_layer"]}}')
+    opts = SGLangOptions.from_json('{"prefetch": {"sources": ["previous_layer", "draft"]}}')
+    assert opts.prefetch.sources == ("previous_layer", "draft")
+    with pytest.raises(ConfigError):
+        SGLangOptions.from_json('{"prefetch": {"sources": ["ngram"]}}')
     assert SGLangOptions.from_json('{"prefetch": {"fetch_cap": 8}}').prefetch.fetch_cap == 8
     space = AddressSpace(UlaCacheConfig(layout="tiny", row_bytes=8, n_layers=2, gpu_slots=8,
                                         cpu_slots=8, page_size=1), n_logical=16)

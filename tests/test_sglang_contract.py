@@ -33,7 +33,7 @@ class Harness:
     """Plays SGLang's side: req_to_token bookkeeping, KV writes, top-k positions."""
 
     def __init__(self, shared: bool, n_slots: int = 512, cpu_ratio: int = 3, max_reqs: int = 4,
-                 validate: bool = True, **options):
+                 validate: bool = True, draft_tokens: int = 2, **options):
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
         from ulacache.config import SGLangOptions
@@ -59,7 +59,7 @@ class Harness:
         self.coord = UlaCacheCoordinator(
             req_to_token_pool=self.rtp, token_to_kv_pool_allocator=self.alloc, top_k=K,
             device_buffer_size=0, device="cpu", tp_group=None, host_to_device_ratio=ratio,
-            num_draft_tokens=2)
+            num_draft_tokens=draft_tokens)
         self.gen = torch.Generator().manual_seed(0)
         self.latent: dict[tuple[int, int], torch.Tensor] = {}  # (layer, logical loc) -> row
         self.lens: dict[int, int] = {}
@@ -190,7 +190,41 @@ class Harness:
 
 @pytest.mark.parametrize("shared", [False, True], ids=["per-layer", "shared-indexer"])
 def test_call_sequence(shared):
-    h = Harness(shared)
+    _call_sequence(Harness(shared))
+
+
+@pytest.mark.parametrize("sources", [("previous_layer",), ("draft", "previous_layer")],
+                         ids="+".join)
+@pytest.mark.parametrize("shared", [False, True], ids=["per-layer", "shared-indexer"])
+def test_call_sequence_with_prefetch(shared, sources):
+    """The same calls with the look-ahead prefetch on (a small cap, so it binds): every row a
+    swap-in returns still holds its token's bytes; rows were prefetched; each prefetch is
+    issued inside the forward at the previous group's selection and waited for by its own
+    group's access only (the stream log: what SGLang's graphs capture)."""
+    from ulacache.config import PrefetchConfig
+
+    h = Harness(shared, prefetch=PrefetchConfig(sources=sources, fetch_cap=16))
+    pf = h.coord.prefetch
+    assert pf is not None and pf.forward_only
+    _call_sequence(h, extra_steps=6)
+    assert sum(c["prefetches"] for c in h.pool.core.counters()) > 0
+    log = [e for e in pf.stream_log if e[0] != "fence"]
+    assert log and all(op == "prefetch" for op, _ in log[0::2])
+    assert all(b == ("wait", a[1]) for a, b in zip(log[0::2], log[1::2]))
+    assert all(g >= 1 for _, g in log)  # group 0: nothing runs before it in the forward
+
+
+def test_draft_prefetch_without_speculative_decoding_is_refused():
+    from ulacache.config import PrefetchConfig
+    from ulacache.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="speculative"):
+        Harness(False, draft_tokens=0, prefetch=PrefetchConfig(sources=("draft",)))
+    assert Harness(False, draft_tokens=0,
+                   prefetch=PrefetchConfig(sources=("previous_layer",))).coord.prefetch
+
+
+def _call_sequence(h: Harness, extra_steps: int = 0) -> None:
     capacity = h.alloc.size_full
     assert capacity == 512 * 4 and h.alloc.available_size() == capacity
     for idx, n in ((1, 300), (2, 420), (3, 250)):  # 970 tokens > 512 GPU slots
@@ -202,6 +236,8 @@ def test_call_sequence(shared):
         h.decode_step([1, 2, 3])
     h.verify_step([1, 2, 3])
     h.decode_step([1, 2, 3])
+    for i in range(extra_steps):  # verify steps back to back: the draft source's case
+        h.verify_step([1, 2, 3]) if i % 3 else h.decode_step([1, 2, 3])
     stats = h.pool.core.counters()[0]
     assert stats["promotions"] > 0 and stats["spills"] > 0
     tok = h.coord.get_token_stats()
@@ -295,15 +331,20 @@ def test_extra_hooks_track_layer_and_size_from_cpu_ratio(monkeypatch):
     assert parse(lambda: SparseConfig()).host_to_device_ratio == 7
 
 
-def test_swap_in_is_sync_free_and_fixed_shape(monkeypatch):
+@pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "prefetch"])
+def test_swap_in_is_sync_free_and_fixed_shape(monkeypatch, prefetch):
     """What runs inside SGLang's decode CUDA graph (``swap_in_selected_pages`` on the anchor
-    layer) issues no syncing op, and its op sequence and shapes do not depend on the data."""
+    layer; with prefetch, the next group's prefetch it issues too) issues no syncing op, and
+    its op sequence and shapes do not depend on the data."""
     import ulacache.kernels.reference as ref
+    from ulacache.config import PrefetchConfig
 
     from .test_graph_safety import SYNCING, OpLog
 
     monkeypatch.setattr(ref, "COMPACT_ON_CPU", False)
-    h = Harness(False, validate=False)
+    pf = PrefetchConfig(sources=("previous_layer", "draft"), fetch_cap=8) if prefetch else \
+        PrefetchConfig()
+    h = Harness(False, validate=False, prefetch=pf)
     for idx, n in ((1, 300), (2, 420)):
         h.prefill(idx, n, chunk=200)
     h.coord.collect_ready_reqs()
@@ -321,6 +362,8 @@ def test_swap_in_is_sync_free_and_fixed_shape(monkeypatch):
         logs.append(log.ops)
     assert not {op for op, _ in logs[0]} & SYNCING
     assert logs[0] == logs[1]
+    if prefetch:  # layer 0's selection issued group 1's prefetch inside the call
+        assert h.coord.prefetch.stream_log[-1] == ("prefetch", 1)
 
 
 def test_prefill_longer_than_gpu_pool_is_refused_not_corrupted():

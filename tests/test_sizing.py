@@ -179,3 +179,30 @@ def test_bad_geometry_is_refused():
         table_bytes_per_slot(2, ratio=5, page_size=64, buffer_slots=8)
     with pytest.raises(ConfigError, match="policy"):
         table_bytes_per_slot(2, ratio=5, page_size=64, policy="fifo")
+
+
+@PATHS
+@pytest.mark.parametrize(("G", "ratio", "L"), [(1000, 3, 2), (5000, 5, 3)])
+def test_prefetch_tables_are_charged(G, ratio, L, path):
+    """With prefetch on, the engine's own claim table, fused scratch and budgets are inside
+    ``table_bytes(prefetch=True)``, within the same slack; without it they would break the
+    bound (the claim table alone is 8 x ratio B per slot)."""
+    from ulacache.config import PrefetchConfig
+    from ulacache.prefetch import PrefetchEngine
+
+    fused = _path(path)
+    cfg = UlaCacheConfig(layout="tiny", row_bytes=1, n_layers=L, gpu_slots=G,
+                         cpu_slots=(ratio - 1) * G, n_buckets=8, page_size=PAGE,
+                         access_path=path)
+    space = AddressSpace(cfg, n_logical=ratio * G + PAGE)
+    engine = PrefetchEngine(space, PrefetchConfig(sources=("previous_layer",)), cfg.n_groups, 1,
+                            space.device)
+    rows = [t for g in space.groups for t in (g.pools.gpu, g.pools.cpu)]
+    real = sum(device_table_bytes(space, rows).values()) + engine.budgets.numel() * 8
+    per, fixed = table_bytes_per_slot(cfg.n_groups, ratio=ratio, page_size=PAGE, n_buckets=8,
+                                      call_scratch=fused, prefetch=True)
+    extra = 2 * (128 * 28 + 16) if fused else 0
+    assert real <= per * G + fixed <= real + slack(G, cfg.n_groups, 8, "pblru", extra)
+    per0, fixed0 = table_bytes_per_slot(cfg.n_groups, ratio=ratio, page_size=PAGE, n_buckets=8,
+                                        call_scratch=fused)
+    assert per0 * G + fixed0 < real

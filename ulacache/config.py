@@ -282,15 +282,11 @@ class SGLangOptions(_Checked, frozen=True, forbid_unknown_fields=True, kw_only=T
     # a prefill batch longer than the GPU pool; null: the model's context length; 0: none (every
     # prefill batch, prefix included, must fit the GPU pool)
     prefill_stage: Optional[Annotated[int, Meta(ge=0, le=1 << 30)]] = None
-    # look-ahead prefetch on a side stream (ulacache.prefetch); off by default
+    # look-ahead prefetch on a side stream (ulacache.prefetch), read by the coordinator
+    # (patches/sglang_coordinator.py); off by default
     prefetch: PrefetchConfig = PrefetchConfig()
 
     def _check(self) -> None:
-        if self.prefetch.enabled:  # refused, not ignored: nothing under SGLang reads it yet
-            raise ConfigError("--ulacache-config key 'prefetch': the look-ahead prefetch runs "
-                              "in the core and `ulacache replay --prefetch` but is not wired "
-                              "into the SGLang seam yet (docs/prefetch.md); leave 'sources' "
-                              "empty")
         if self.mode != "tp":
             for key, value in (("buffer_slots", self.buffer_slots is not None),
                                ("shard_indexer", self.shard_indexer)):

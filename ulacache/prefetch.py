@@ -107,25 +107,39 @@ class PreviousLayer(PredictionSource):
 
 
 class DraftTokens(PredictionSource):
-    """The selection a draft token's query made at group ``g`` (speculative decoding's verify
-    batch) predicts group ``g``'s next step: accepted drafts are the next step's queries."""
+    """The selection a draft token's query made at group ``g`` (OasisKV's look-ahead: the draft
+    token's query at the next position) predicts group ``g``'s next step; an accepted draft's
+    selection is the next step's exactly.
+
+    The last draft of each group lives in a fixed buffer (``int64 [rows, k]``, ``-1`` padded),
+    written by :meth:`drafted` and read by :meth:`predict`, so a CUDA graph that captured
+    either call replays it on the same memory. :meth:`predict` for a step must come before
+    that step's :meth:`drafted` of the same group (the engine's order: a group's prefetch is
+    issued before its access, a draft is known after it). ``shape``: ``(rows, k)`` to allocate
+    the buffers up front (what a graph capture needs); else each is made at its first draft
+    (and remade, outside a capture, for a larger one)."""
 
     name = "draft"
 
-    def __init__(self, n_groups: int):
+    def __init__(self, n_groups: int, shape: tuple[int, int] | None = None,
+                 device: torch.device | str = "cpu"):
         super().__init__(n_groups)
-        self.drafts: dict[int, torch.Tensor] = {}
-        self.ready: dict[int, torch.Tensor] = {}
+        self.buffers: list[torch.Tensor | None] = [
+            None if shape is None else torch.full(shape, -1, dtype=torch.int64, device=device)
+            for _ in range(n_groups)]
 
     def drafted(self, group: int, addrs: torch.Tensor) -> None:
-        self.drafts[group] = addrs
+        buf = self.buffers[group]
+        n, k = addrs.shape
+        if buf is None or n > buf.shape[0] or k != buf.shape[1]:
+            buf = self.buffers[group] = torch.full((n, k), -1, dtype=torch.int64,
+                                                   device=addrs.device)
+        buf[n:].fill_(-1)
+        buf[:n].copy_(addrs)
 
     def predict(self, group: int) -> torch.Tensor | None:
-        d = self.ready.get(group)
-        return None if d is None else rank_order(d)
-
-    def new_step(self) -> None:
-        self.ready, self.drafts = self.drafts, {}
+        buf = self.buffers[group]
+        return None if buf is None else rank_order(buf)
 
 
 SOURCES: dict[str, type[PredictionSource]] = {"previous_layer": PreviousLayer,
@@ -143,6 +157,12 @@ class PrefetchEngine:
     n_groups, group_row_bytes : selection groups, and bytes one promoted row moves (every
         layer of its group), for the link budget.
     device : the core's device.
+    forward_only : issue every group's prefetch inside the forward, once the previous group's
+        selection is known (group 0 gets none), never at the step start: what a CUDA graph of
+        the forward captures whole (the SGLang seam). Default: sources that need nothing from
+        this step (``draft``) prefetch at the step start.
+    draft_shape : ``(rows, k)`` of the ``draft`` source's buffers, allocated up front (a
+        capture needs them to exist); default: at the first draft.
 
     The engine's calls, in a step's order: :meth:`begin_step` before the round start,
     :meth:`round_started` after it and the step's placements; per group,
@@ -152,15 +172,20 @@ class PrefetchEngine:
     """
 
     def __init__(self, core, config: PrefetchConfig, n_groups: int, group_row_bytes: int,
-                 device: torch.device):
+                 device: torch.device, forward_only: bool = False,
+                 draft_shape: tuple[int, int] | None = None):
         if not config.enabled:
             raise ConfigError("PrefetchEngine needs at least one prefetch source")
         unknown = [s for s in config.sources if s not in SOURCES]
         if unknown:
             raise ConfigError(f"unknown prefetch source(s) {unknown}; legal: {sorted(SOURCES)}")
         self.core, self.config, self.n_groups, self.device = core, config, n_groups, device
-        self.sources = [SOURCES[name](n_groups) for name in config.sources]
-        self._waits_for_previous = any(s.after_previous_group for s in self.sources)
+        self.sources = [DraftTokens(n_groups, draft_shape, device) if name == "draft" else
+                        SOURCES[name](n_groups) for name in config.sources]
+        # forward_only: every prefetch is issued inside the forward (a CUDA graph captures it)
+        self.forward_only = forward_only
+        self._waits_for_previous = forward_only or any(s.after_previous_group
+                                                       for s in self.sources)
         self.cap = config.rows_per_group(group_row_bytes, n_groups)
         if self.cap == 0:
             logger.warning("prefetch: the link budget (%s GB/s x %s ms) is less than one row per "
@@ -172,6 +197,10 @@ class PrefetchEngine:
         cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if cuda else None
         self.events = [torch.cuda.Event() for _ in range(n_groups)] if cuda else None
+        # group -> its prefetch's predictions, issued and not yet waited for: the wait joins
+        # the prefetch stream back (inside a capture too) and only then is the tensor let go
+        # (the prefetch stream read it; no record_stream, which a capture does not honour)
+        self._pending: dict[int, torch.Tensor] = {}
         self.stream_log: list[tuple[str, int]] | None = None if cuda else []
 
     # -- a step ----------------------------------------------------------------------------
@@ -191,25 +220,32 @@ class PrefetchEngine:
         enter cold, so a placement's victims would be exactly them (measured on the bundled
         trace with an exact predictor: critical-path misses x0.41 and H2D x1.24 prefetching
         before placement, x0.18 and x1.00 after)."""
+        if self.forward_only:
+            return  # group g's prefetch is issued at group g - 1's selection; group 0 has none
         for g in range(self.n_groups):
             if g == 0 or not self._waits_for_previous:
                 self._issue_predicted(g)
 
     def fence(self) -> None:
-        """The caller's stream waits for every prefetch issued so far (before a round start,
-        which advances every group's policy, and before a release)."""
+        """The caller's stream waits for every prefetch issued and not yet waited for (before
+        a round start, which advances every group's policy, and before a release). Only those:
+        an event last recorded inside a CUDA-graph capture cannot be waited for outside it,
+        and a captured prefetch is joined inside its graph by its group's access."""
         self._log("fence", -1)
-        if self.events is not None:
-            cur = torch.cuda.current_stream(self.device)
-            for e in self.events:  # events, not wait_stream: capturable
-                cur.wait_event(e)
+        for g in sorted(self._pending):
+            self._wait(g)
 
     def before_access(self, group: int) -> None:
         """Layer-local wait: the caller's stream (the access's) waits for ``group``'s
-        prefetch only."""
-        self._log("wait", group)
+        prefetch of this step, if one was issued, and for nothing else."""
+        if group in self._pending:
+            self._log("wait", group)
+            self._wait(group)
+
+    def _wait(self, group: int) -> None:
         if self.events is not None:
             torch.cuda.current_stream(self.device).wait_event(self.events[group])
+        del self._pending[group]
 
     def selected(self, group: int, addrs: torch.Tensor) -> None:
         """``group``'s selection of this step (``int [bs, k]`` addresses) is known; if a
@@ -241,12 +277,14 @@ class PrefetchEngine:
         event."""
         if not 0 <= group < self.n_groups:
             raise ShapeError(f"prefetch: group {group} not in [0, {self.n_groups})")
+        if group in self._pending:  # one call per group per step: the first is joined first
+            self._wait(group)
         self._log("prefetch", group)
+        self._pending[group] = predicted
         if self.stream is None:
             self.core.prefetch(group, predicted, self.budgets[group])
             return
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        predicted.record_stream(self.stream)  # made on the caller's stream, read on this one
         with torch.cuda.stream(self.stream):
             self.core.prefetch(group, predicted, self.budgets[group])
             self.events[group].record(self.stream)

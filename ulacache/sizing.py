@@ -87,7 +87,7 @@ class TPTables:
 def table_bytes(groups: int, *, n_logical: int | Affine, gpu_slots: int | Affine,
                 cpu_slots: int | Affine, n_buckets: int = 64, policy: str = "pblru",
                 tp: TPTables | None = None, call_scratch: bool = True,
-                call_entries: int | None = None) -> tuple[int, int]:
+                call_entries: int | None = None, prefetch: bool = False) -> tuple[int, int]:
     """Device bytes of one rank's ulacache tables, ``(per_slot, fixed)``: a pool of ``x`` slots
     takes at most ``per_slot * x + fixed`` bytes of device memory besides its row pools (the
     GPU pools, engine-owned under SGLang, and the pinned host CPU pools are not counted).
@@ -114,7 +114,9 @@ def table_bytes(groups: int, *, n_logical: int | Affine, gpu_slots: int | Affine
     address space 28 B an entry plus three ``int32`` per-block counts, and 8 B per group (the
     stack pointer K3 hands K4); TP adds this rank's ``int32`` rows of a plan and, per group, the
     gates' 36 B an entry (:func:`call_scratch_bytes`; ``call_scratch=False`` leaves it out: the
-    torch path).
+    torch path). ``prefetch`` (:class:`ulacache.prefetch.PrefetchEngine`): the prefetches' own
+    claim table ``int64 [n + 1]``, their fused scratch (one access scratch of the same
+    capacity, shared by the groups) and the per-group budgets ``int64 [groups]``.
     Not counted: host mirrors of the counters.
     """
     n, G, C = Affine.of(n_logical), Affine.of(gpu_slots), Affine.of(cpu_slots)
@@ -130,10 +132,14 @@ def table_bytes(groups: int, *, n_logical: int | Affine, gpu_slots: int | Affine
         buffer = 4 * (N + 1) + 8 * (B + 1) + _policy_bytes(policy, Affine.of(B), n_buckets)
         total = (total + groups * buffer + 8 * (N + 1) + groups * len(TP_COUNTERS) * 8
                  + tp.layers * tp.ranks * 8)
+    cap = G + (0 if tp is None else tp.buffer_slots) + CALL_FLOOR \
+        if call_entries is None else Affine.of(call_entries)
     if call_scratch:
-        cap = G + (0 if tp is None else tp.buffer_slots) + CALL_FLOOR \
-            if call_entries is None else Affine.of(call_entries)
         total = total + call_scratch_bytes(groups, cap, tp is not None)
+    if prefetch:
+        total = total + 8 * (n + 1) + 8 * groups
+        if call_scratch:
+            total = total + call_scratch_bytes(groups, cap, False)
     return math.ceil(total.per), math.ceil(total.fixed)
 
 
@@ -156,7 +162,8 @@ def call_scratch_bytes(groups: int, capacity: int | Affine, tp: bool) -> Affine:
 def table_bytes_per_slot(groups: int, *, ratio: int, page_size: int, n_buckets: int = 64,
                          policy: str = "pblru", tp_size: int = 1, buffer_slots: int = 0,
                          layers: int = 0, call_scratch: bool = True,
-                         call_entries: int | None = None) -> tuple[int, int]:
+                         call_entries: int | None = None, prefetch: bool = False
+                         ) -> tuple[int, int]:
     """:func:`table_bytes` of the geometry an engine builds from its GPU token count ``x``
     (SGLang's ``max_total_num_tokens``): ``(per_slot, fixed)`` device bytes per rank.
 
@@ -178,13 +185,17 @@ def table_bytes_per_slot(groups: int, *, ratio: int, page_size: int, n_buckets: 
     return table_bytes(groups, n_logical=n_global.ceil_div(tp_size) if tp else n_global,
                        gpu_slots=x * (1 / P), cpu_slots=x * ((ratio - 1) / P),
                        n_buckets=n_buckets, policy=policy, tp=tp, call_scratch=call_scratch,
-                       call_entries=call_entries)
+                       call_entries=call_entries, prefetch=prefetch)
 
 
-def coordinator_output_bytes(groups: int, slots: int, top_k: int, draft_tokens: int) -> int:
+def coordinator_output_bytes(groups: int, slots: int, top_k: int, draft_tokens: int,
+                             draft_prefetch: bool = False) -> int:
     """Device bytes of the SGLang coordinator's graph-stable outputs
     (``patches/sglang_coordinator.py``): ``int32 [slots x steps, top_k]`` rows per selection
     group and ``int64 [slots x steps]`` row ids, ``steps = max(1, draft_tokens)``; ``slots``
-    counts SGLang's request slots including its padding row."""
+    counts SGLang's request slots including its padding row. ``draft_prefetch``: the draft
+    source's buffers, ``int64 [slots, top_k]`` per group (:class:`ulacache.prefetch.
+    DraftTokens`)."""
     rows = slots * max(1, int(draft_tokens))
-    return groups * rows * int(top_k) * 4 + rows * 8
+    drafts = groups * slots * int(top_k) * 8 if draft_prefetch else 0
+    return groups * rows * int(top_k) * 4 + rows * 8 + drafts

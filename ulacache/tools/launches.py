@@ -68,10 +68,11 @@ def count_launches(path: str, groups: int, k: int = 64, batch: int = 4) -> dict[
     """Device launches of ulacache's decode-step control plane on ``path`` (``"fused"`` or
     ``"torch"``): ``round`` (one round start of ``groups`` PB-LRU policies in an arena, as an
     address space holds them), and per group ``place`` (``batch`` new tokens), ``access``
-    (``[batch, k]`` selections, with promotions and write-backs) and ``release`` (a finished
-    request's addresses); ``syncs``: host-syncing ops among them. Fused: Triton launches plus
-    every aten op outside them; torch: aten ops, views excluded. Raises :class:`RuntimeError`
-    for the fused path where :func:`fused_countable` is false."""
+    (``[batch, k]`` selections, with promotions and write-backs), ``release`` (a finished
+    request's addresses) and ``prefetch`` (a look-ahead prefetch of ``batch x k``
+    predictions, :meth:`SelectionGroup.prefetch`); ``syncs``: host-syncing ops among them.
+    Fused: Triton launches plus every aten op outside them; torch: aten ops, views excluded.
+    Raises :class:`RuntimeError` for the fused path where :func:`fused_countable` is false."""
     from ulacache.group import advance_policies
     from ulacache.kernels import fused_access
     from ulacache.pblru import PBLRUArena
@@ -98,11 +99,15 @@ def count_launches(path: str, groups: int, k: int = 64, batch: int = 4) -> dict[
     # the torch path issues each policy's own ops: counted over all of them.
     arena = PBLRUArena(2 if fused else groups, 64, 8, dev)
     new = torch.arange(2 * gpu_slots, 2 * gpu_slots + batch, device=dev)
+    predicted = torch.randint(0, 2 * gpu_slots, (batch * k,), generator=gen).to(dev)
+    budget = torch.tensor(gpu_slots, dtype=torch.int64, device=dev)
     calls = {
         "round": lambda: advance_policies(arena.policies, arena, fused),
         "place": lambda: g.place(new),
         "access": lambda: g.access(sel),
         "release": lambda: g.release(new),
+        # a look-ahead prefetch of predicted rows, some of them on the CPU (after the access)
+        "prefetch": lambda: g.prefetch(predicted, budget),
     }
     out, syncs = {}, 0
     for name, call in calls.items():

@@ -105,17 +105,22 @@ class Residency:
             self.new_round()
             self.group.place(addrs[i: i + chunk])
 
-    def step(self, new: torch.Tensor | None, selected: torch.Tensor, timed: bool = True
-             ) -> torch.Tensor:
+    def step(self, new: torch.Tensor | None, selected: torch.Tensor, timed: bool = True,
+             predicted: torch.Tensor | None = None, budget: int = 0) -> torch.Tensor:
         """One decode round: a new round, the new tokens placed, then the access of
         ``selected`` (``int [bs, k]``, ``-1`` padded; duplicates allowed). Returns the access's
-        ``int32 [bs, k]`` GPU rows."""
+        ``int32 [bs, k]`` GPU rows. ``predicted`` (``int [n]``, rank order): a look-ahead
+        prefetch of at most ``budget`` rows between the placement and the access, as
+        :class:`ulacache.prefetch.PrefetchEngine` orders it (counted in ``prefetches``)."""
         before = self.group.counters.clone()
         p0 = self.clock.seconds
         t0 = time.perf_counter()
         self.new_round()
         if new is not None and new.numel():
             self.group.place(new.to(self.device, torch.int64).reshape(-1))
+        if predicted is not None:  # one stream: the access's dedup table serves it too
+            self.group.prefetch(predicted.to(self.device, torch.int64),
+                                torch.tensor(budget, dtype=torch.int64, device=self.device))
         rows = self.group.access(selected.to(self.device, torch.int64))
         t1 = time.perf_counter()
         if not timed:
