@@ -10,6 +10,7 @@
     python tests/mutants.py distinct   # a prefill table's distinct-address access
     python tests/mutants.py shadows fused_shadows  # evictions without write-back
     python tests/mutants.py prefill    # a prefill longer than the pool (rounds, the stage)
+    python tests/mutants.py prefetch   # the look-ahead prefetch (test_prefetch.py)
     .venv-sglang/bin/python tests/mutants.py sglang_stage  # the stage's SGLang seam
 
 Copies the repository to a temporary directory, applies each mutant below (one line of the core
@@ -360,6 +361,29 @@ SGLANG_STAGE_MUTANTS = [  # the SGLang seam of the prefill stage
      "return self.usable_stage() is not None", "every prefill batch staged"),
 ]
 
+PREFETCH_TESTS = ["tests/test_prefetch.py"]
+PREFETCH_MUTANTS = [  # the look-ahead prefetch: its mechanism, the engine's order, the replay
+    (G, "        self.policy.admit(victim)\n        promoted = ok.sum()",
+     "        self.policy.touch(victim)\n        promoted = ok.sum()",
+     "prefetched rows admitted hot (a wrong guess outlives the access's own rows)"),
+    (G, "        budget.sub_(promoted)", "        budget.sub_(0 * promoted)",
+     "the fetch cap never spent"),
+    (P, "        self.epoch_of.index_put_((dst,), (self.epoch_t - self.n_buckets).expand_as(s))",
+     "        self.epoch_of.index_put_((dst,), self.epoch_t.expand_as(s))",
+     "PB-LRU admits into the current epoch, not the cold one"),
+    ("ulacache/prefetch.py",
+     "            self._log(\"wait\", group)\n            self._wait(group)",
+     "            self.fence()", "an access waits for every group's prefetch, not its own"),
+    ("ulacache/tools/replay.py",
+     "        cache.extend_batch(dict.fromkeys(range(requests), 1))\n"
+     "        if engine is not None:  # after placement: its victims would be the cold "
+     "prefetched rows\n            engine.round_started()\n",
+     "        if engine is not None:  # after placement: its victims would be the cold "
+     "prefetched rows\n            engine.round_started()\n"
+     "        cache.extend_batch(dict.fromkeys(range(requests), 1))\n",
+     "prefetches issued before the step's placements evict themselves"),
+]
+
 CONFTEST = '''
 from hypothesis import Phase
 settings.register_profile("mutation", derandomize=True, deadline=None,
@@ -389,7 +413,8 @@ def main() -> int:
                   "prefill": [(*m, PREFILL_TESTS) for m in PREFILL_MUTANTS],
                   "sglang_stage": [(*m, SGLANG_STAGE_TESTS) for m in SGLANG_STAGE_MUTANTS],
                   "shadows": [(*m, SHADOW_TESTS) for m in SHADOW_MUTANTS],
-                  "fused_shadows": [(*m, FUSED_SHADOW_TESTS) for m in FUSED_SHADOW_MUTANTS]}
+                  "fused_shadows": [(*m, FUSED_SHADOW_TESTS) for m in FUSED_SHADOW_MUTANTS],
+                  "prefetch": [(*m, PREFETCH_TESTS) for m in PREFETCH_MUTANTS]}
         chosen = sys.argv[1:] or list(suites)
         if set(chosen) - set(suites):
             print(f"usage: python tests/mutants.py [{' | '.join(suites)}] ...")
