@@ -52,6 +52,8 @@ def plan(model, gpu, mode, config=None, **kw) -> dict:
 BATCHES = {
     "dp": {**{f"{m}/{g}": plan(m, g, "dp") for (m, g, mode) in RATIOS if mode == "dp"},
            "draft": plan("glm-5", "h200", "dp", {"cpu_ratio": 4}, draft_tokens=3),
+           "prefetch": plan("glm-5", "h200", "dp", {"cpu_ratio": 4, "prefetch": {
+               "sources": ["previous_layer", "draft"], "fetch_cap": 256}}, draft_tokens=3),
            "headroom": plan("deepseek-v3.2", "h200", "dp", {"cpu_ratio": 4},
                             mem_fraction_static=0.99995),
            "small pool": plan("glm-5", "h200", "dp", {"cpu_ratio": 40}),
@@ -131,6 +133,22 @@ def test_draft_tokens_add_a_verify_batch(dp_reports):
     report = dp_reports["draft"]
     check_fits(report)
     assert "verify" in report["transient"] and report["config"]["steps"] == 3
+
+
+@pytest.mark.xdist_group("rehearse_dp")
+def test_prefetch_allocations_are_charged_and_nothing_outlives_a_step(dp_reports):
+    """The look-ahead prefetch at production geometry (GLM-5 on an H200, both sources, a
+    verify batch): its claim table, fused scratch, budgets and draft buffers are allocated at
+    start-up within SGLang's budget (the sizing hook charges them), and a decode or verify
+    step keeps no selection alive after it returns (the rehearsal's retained check)."""
+    report = dp_reports["prefetch"]
+    check_fits(report)
+    names = set(report["allocations"])
+    assert {"coord.prefetch.sources[*].buffers[*]", "pool.core.groups[*].prefetch_claim",
+            "coord.prefetch.budgets"} <= names
+    assert report["retained"]["decode"] == report["retained"]["verify"] == 0
+    # the prefetch's bytes came out of the pool: fewer tokens than the same launch without
+    assert report["pool_tokens"] < dp_reports["draft"]["pool_tokens"]
 
 
 @pytest.mark.xdist_group("rehearse_dp")

@@ -96,10 +96,11 @@ class PreviousLayer(PredictionSource):
         self.last: dict[int, torch.Tensor] = {}
 
     def selected(self, group: int, addrs: torch.Tensor) -> None:
-        self.last[group] = addrs
+        if group + 1 < self.n_groups:  # held only until the next group's prediction is made
+            self.last[group] = addrs
 
     def predict(self, group: int) -> torch.Tensor | None:
-        prev = self.last.get(group - 1)
+        prev = self.last.pop(group - 1, None)  # nothing outlives the step (rehearse checks)
         return None if prev is None else rank_order(prev)
 
     def new_step(self) -> None:
