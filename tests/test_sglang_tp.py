@@ -251,6 +251,34 @@ def scenario_perlayer(rank: int) -> dict:
                           "buffer_overflow", "access_overflow", "place_overflow")}}
 
 
+def scenario_prefetch(rank: int) -> dict:
+    """The per-layer scenario's calls with the look-ahead prefetch on (both sources, a small
+    cap): each rank prefetches its own stripe, no collective; every row checked as before."""
+    from ulacache.config import PrefetchConfig
+
+    h = TPHarness(shared=False, validate=True, rank=rank,
+                  prefetch=PrefetchConfig(sources=("previous_layer", "draft"), fetch_cap=16))
+    for idx, n in ((1, 300), (2, 420), (3, 250)):
+        h.prefill(idx, n, chunk=160)
+    h.coord.collect_ready_reqs()
+    for i in range(8):  # checked after decode steps: a verify leaves its dead draft mapped
+        if i % 4 == 3:
+            h.verify_step([1, 2, 3])
+        else:
+            h.decode_step([1, 2, 3])
+            h.check()
+    counters = h.core.counters()
+    for idx in (1, 2, 3):
+        h.finish(idx)
+    h.check()
+    capacity_back = h.alloc.available_size() == h.alloc.size_full
+    h.close()
+    return {"capacity_back": capacity_back,
+            "counters": {k: sum(c[k] for c in counters) for k in
+                         ("prefetches", "promotions", "peer_fetches", "peer_missing",
+                          "access_overflow")}}
+
+
 def scenario_shared(rank: int) -> dict:
     # the smallest buffer the coordinator accepts (4 requests x 2 tokens x 33): copies are
     # evicted, so every step fetches peers' rows again
@@ -389,7 +417,8 @@ def scenario_pieces(rank: int) -> dict:
 
 
 SCENARIOS = {"perlayer": scenario_perlayer, "shared": scenario_shared, "pieces": scenario_pieces,
-             "pressure": scenario_pressure, "memory": scenario_memory, "topk": scenario_topk}
+             "pressure": scenario_pressure, "memory": scenario_memory, "topk": scenario_topk,
+             "prefetch": scenario_prefetch}
 
 
 def _rank_main(rank: int, port: int, out_dir: str) -> None:
@@ -457,6 +486,15 @@ def test_rows_hold_the_written_bytes_per_layer_groups(ranks):
         for what in ("peer_missing", "buffer_overflow", "access_overflow", "place_overflow"):
             assert c[what] == 0, (rank, what, c)
         assert r["capacity_back"] and r["device_tokens"] > 0
+
+
+def test_prefetch_keeps_every_rows_bytes(ranks):
+    for rank, res in enumerate(ranks):
+        r = res["prefetch"]
+        c = r["counters"]
+        assert c["prefetches"] > 0 and c["peer_fetches"] > 0, (rank, c)
+        assert c["peer_missing"] == c["access_overflow"] == 0, (rank, c)
+        assert r["capacity_back"]
 
 
 def test_prefill_in_pieces_serves_the_written_bytes(ranks):
