@@ -1008,7 +1008,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", choices=sorted(capacity.MODELS), default="dsv32")
     ap.add_argument("--levels", default="32,64,96,128,160,192,256",
                     help="--max-running-requests per GPU to try, lowest first")
-    ap.add_argument("--policies", default=",".join(SYSTEMS))
+    ap.add_argument("--policies", default=None,
+                    help=f"systems to sweep (default {','.join(SYSTEMS)}; with --real-rows "
+                         "ulacache_pf is left out: it is simulated only)")
     ap.add_argument("--hs-buffers", default="2560,3072,4096",
                     help="HiSparse device_buffer_size values to tune over")
     ap.add_argument("--hs-ratios", default="1,2,3,4,6,8",
@@ -1064,7 +1066,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING if a.quiet else logging.INFO,
                         format="%(name)s %(message)s", stream=sys.stderr)
     try:
-        levels, policies = _ints(a.levels), tuple(p for p in a.policies.split(",") if p)
+        levels = _ints(a.levels)
+        policies = tuple(p for p in (a.policies or ",".join(SYSTEMS)).split(",") if p)
         grids = {"hisparse": [Tuning("hisparse", x, h) for h in _ints(a.hs_buffers)
                               for x in _ints(a.hs_ratios)],
                  "ulacache": [Tuning("ulacache", c) for c in _ints(a.ula_ratios)],
@@ -1079,7 +1082,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--duplex-factor must be in [1, 2] (1.0: serial, 2.0: full duplex)")
     if not 0.0 <= a.acceptance <= 1.0 or a.fetch_cap < 0:
         ap.error("--acceptance must be in [0, 1] and --fetch-cap >= 0")
-    if a.real_rows and "ulacache_pf" in policies:
+    if a.policies is None and a.real_rows:
+        policies = tuple(p for p in policies if p != "ulacache_pf")
+    elif a.real_rows and "ulacache_pf" in policies:
         ap.error("--real-rows does not prefetch: leave ulacache_pf out of --policies")
     if any(p not in SYSTEMS for p in policies):
         ap.error(f"--policies must be among {SYSTEMS}")

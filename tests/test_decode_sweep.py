@@ -394,7 +394,9 @@ def test_real_rows_sweep_measures_every_policy(model):
     """--real-rows on CPU (tiny): every policy's steps move and read real rows and are timed;
     the simulated figures are the same as without real rows (same decisions)."""
     base = dict(TINY, heads=2, steps=5)
-    for policy in ds.SYSTEMS:
+    with pytest.raises(ValueError, match="simulated only"):
+        ds.run_level("ulacache_pf", 4, ds.Config(**base, real_rows=True), _requests(), model)
+    for policy in (p for p in ds.SYSTEMS if p != "ulacache_pf"):
         a = ds.run_level(policy, 4, ds.Config(**base), _requests(), model)
         b = ds.run_level(policy, 4, ds.Config(**base, real_rows=True), _requests(), model)
         assert b["measured_layer_ms"] > 0 and b["tokens_per_s_measured"] > 0, policy
