@@ -1021,8 +1021,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="cpu_ratio values for ulacache with shadows off (ulacache_wb); its "
                          "peaks fall past c = 2 in every column, as ulacache's do")
     ap.add_argument("--pf-ratios", default="1",
-                    help="cpu_ratio values for ulacache with the draft prefetch (ulacache_pf); c = 1 "
-                         "was its best in the 2026-12-05 run over 1,4 (docs/decode_sweep.md)")
+                    help="cpu_ratio values for ulacache with the draft prefetch "
+                         "(ulacache_pf); c = 1 was its best in the 2026-12-05 run over 1,4 "
+                         "(docs/decode_sweep.md)")
     ap.add_argument("--acceptance", type=float, default=d.acceptance,
                     help="ulacache_pf: share of steps whose draft was the true next token "
                          "(assumed; the bundled trace's n-gram drafts: 0.135)")
