@@ -370,7 +370,11 @@ if triton is not None:
                          L: tl.constexpr, RW: tl.constexpr, HP: tl.constexpr,
                          HY: tl.constexpr, HYP2: tl.constexpr,
                          BP: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
-                         BLOCK: tl.constexpr, budget=None, PREFETCH: tl.constexpr = False):
+                         BLOCK: tl.constexpr, budget=None, PREFETCH: tl.constexpr = False,
+                         moves=None, MSTRIDE=0, DEFER: tl.constexpr = False):
+        # DEFER (an access, ``SelectionGroup.access_deferred``): the caller passes L = 1, so
+        # only the anchor layer's bytes move here; every entry's move goes to ``moves``
+        # (int32 [3, MSTRIDE]: victim GPU slot, source CPU slot, write-back CPU slot, -1 none)
         pid = tl.program_id(0)
         b = tl.arange(0, BP)
         run = tl.sum(tl.load(block_want + b, mask=b < pid, other=0))  # wants before this entry
@@ -390,6 +394,11 @@ if triton is not None:
             run += tl.sum(want.to(tl.int32))
             if PREFETCH:
                 want = want & (rank < limit)
+            if DEFER:  # no move unless one is recorded below
+                none = tl.full([SUB], -1, tl.int32)
+                tl.store(moves + i, none, mask=live)
+                tl.store(moves + MSTRIDE + i, none, mask=live)
+                tl.store(moves + 2 * MSTRIDE + i, none, mask=live)
             if tl.sum(want.to(tl.int32)) > 0:  # sub-blocks of hits only: nothing to do
                 victim = find_victims(rank, want, tot, total, epoch_t, bits, counts, supc, hypc, W1,
                                   S1, H1, NS, NH, NB, RP, HP, HY, HYP2, SUB)
@@ -449,6 +458,12 @@ if triton is not None:
                             in_row = tl.load(cp, mask=ok[:, None] & cm)
                             tl.store(gp, in_row, mask=ok[:, None] & cm)
                             tl.store(dp, out_row, mask=copy_out[:, None] & cm)
+                if DEFER:  # the other layers' bytes of the same moves: replayed later
+                    tl.store(moves + i, tl.where(ok, vs, -1).to(tl.int32), mask=live)
+                    tl.store(moves + MSTRIDE + i, tl.where(ok, cslot, -1).to(tl.int32),
+                             mask=live)
+                    tl.store(moves + 2 * MSTRIDE + i, tl.where(copy_out, dst, -1).to(tl.int32),
+                             mask=live)
                 # -- then the mapping
                 evicted = copy_out | remap
                 tl.store(loc + tl.where(evicted, owner, 0),
@@ -591,6 +606,32 @@ if triton is not None:
         tl.store(out + i, rows.to(tl.int32), mask=live)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _replay_moves(moves, gpu_pool, cpu_pool, g_sr, c_sr, n, MSTRIDE, RW: tl.constexpr,
+                      CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        """One layer's bytes of a deferred access's moves (``FusedAccess.replay``): per entry
+        with a victim, the victim's row out to its write-back CPU slot (if any) and the
+        promoted row in from its CPU slot, both read before either write (K3's order)."""
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        live = i < n
+        vs = tl.load(moves + i, mask=live, other=-1).to(tl.int64)
+        cs = tl.load(moves + MSTRIDE + i, mask=live, other=-1).to(tl.int64)
+        ds = tl.load(moves + 2 * MSTRIDE + i, mask=live, other=-1).to(tl.int64)
+        ok = vs >= 0
+        out = ok & (ds >= 0)
+        vs, cs, ds = tl.where(ok, vs, 0), tl.where(ok, cs, 0), tl.where(out, ds, 0)
+        for c0 in range(0, RW, CHUNK):
+            cc = c0 + tl.arange(0, CHUNK)[None, :]
+            cm = cc < RW
+            gp = gpu_pool + vs[:, None] * g_sr + cc
+            out_row = tl.load(gp, mask=out[:, None] & cm)
+            in_row = tl.load(cpu_pool + cs[:, None] * c_sr + cc, mask=ok[:, None] & cm)
+            tl.store(gp, in_row, mask=ok[:, None] & cm)
+            tl.store(cpu_pool + ds[:, None] * c_sr + cc, out_row, mask=out[:, None] & cm)
+
+
 def pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
@@ -696,7 +737,8 @@ class FusedAccess:
     def run(self, addrs: torch.Tensor, place: bool, out: torch.Tensor | None = None,
             victim_out: torch.Tensor | None = None, row_base: int = 0,
             stripe: tuple[int, int, int] | None = None,
-            prefetch_budget: torch.Tensor | None = None) -> None:
+            prefetch_budget: torch.Tensor | None = None,
+            moves: torch.Tensor | None = None) -> None:
         """K1..K4 over the flat contiguous ``addrs`` (``int32|int64``). Access writes the GPU
         rows to ``out`` (``int32``, ``addrs.numel()`` elements); place writes the slots to
         ``victim_out`` (``int64``). ``stripe = (P, rank, n_global)`` (access only): ``addrs``
@@ -704,7 +746,9 @@ class FusedAccess:
         read as padding without being counted invalid (:mod:`ulacache.tp` serves them).
         ``prefetch_budget`` (0-dim ``int64``): a prefetch instead of an access
         (``SelectionGroup.prefetch``): resident predictions untouched, the first ``budget``
-        misses promoted and admitted cold, the budget decremented, nothing translated."""
+        misses promoted and admitted cold, the budget decremented, nothing translated.
+        ``moves`` (``int32 [3, >= n]``, access only): a deferred access, the anchor layer's
+        bytes moved and every entry's move recorded for :meth:`replay`."""
         g, p = self.g, self.g.policy
         n = addrs.numel()
         if n == 0:
@@ -726,6 +770,8 @@ class FusedAccess:
             budget = dict(budget=prefetch_budget)
         else:
             budget = {}
+        if moves is not None:  # the variant exists only where it is used
+            budget.update(moves=moves, MSTRIDE=moves.stride(0), DEFER=True)
         launch(_k1_claim, grid, addrs, local, g.loc, g.claim, phys, status, g.counters, n, N,
                 n_global, rank, g.shadow, g.cpu_free, g.cpu_top, g.reclaim_cursor,
                 p.row_counts, p.round_of, p.round_t, G, SHADOWS=g.shadows and place, TPP=P,
@@ -741,15 +787,28 @@ class FusedAccess:
                 *pol, p.epoch_t, g.loc, g.gpu_owner, g.shadow, g.cpu_free,
                 g.cpu_top, gw, cw, gw.stride(0), gw.stride(1),
                 cw.stride(0), cw.stride(1), n, G, C, self.w1, self.s1, self.h1, p.n_super,
-                p.n_hyper, grid[0], NB=self.nb, RP=self.rp, L=gw.shape[0], RW=gw.shape[2],
+                p.n_hyper, grid[0], NB=self.nb, RP=self.rp,
+                L=1 if moves is not None else gw.shape[0], RW=gw.shape[2],
                 HP=self.hp, HY=p.hyper, HYP2=pow2(p.hyper), BP=pow2(grid[0]),
                 CHUNK=self.CHUNK, SUB=self.SUB, SHADOWS=g.shadows, maxnreg=self.K3_MAXNREG,
                 **budget, **mode)
+        budget = {k: v for k, v in budget.items() if k not in ("moves", "MSTRIDE", "DEFER")}
         launch(_k4_assign_translate, grid, local, status, victim,
                 out if out is not None else status, g.loc, g.cpu_top, g.cpu_free, phys,
                 block_took, block_back, self.top_saved, *pol, *stamps,
                 n, N, G, self.w1, self.s1, self.h1, row_base, grid[0], NB=self.nb, HY=p.hyper,
                 BP=pow2(grid[0]), SHADOWS=g.shadows, **budget, **mode)
+
+    # Entries per program of a replay: a [REPLAY_BLOCK, CHUNK] tile of words per copy step
+    REPLAY_BLOCK = 64 if INTERPRETED else 32
+
+    def replay(self, moves: torch.Tensor, n: int, li: int) -> None:
+        """Layer ``li``'s bytes of the first ``n`` moves a deferred :meth:`run` recorded in
+        ``moves`` (``int32 [3, >= n]``): one launch."""
+        gw, cw = self.gpu_words[li], self.cpu_words[li]
+        launch(_replay_moves, (-(-n // self.REPLAY_BLOCK),), moves, gw, cw, gw.stride(0),
+               cw.stride(0), n, moves.stride(0), RW=gw.shape[1], CHUNK=self.CHUNK,
+               BLOCK=self.REPLAY_BLOCK)
 
 
     def reclaim(self, need: int) -> None:

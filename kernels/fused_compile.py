@@ -35,9 +35,10 @@ _DTYPES = {torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int
 
 def record_launches(n_layers: int = 2, gpu_slots: int = 4096, row_bytes: int = 656,
                     shape: tuple[int, int] = (8, 256)) -> list[tuple]:
-    """The (kernel, args, meta) of one fused access, one placement, one translate, one TP8
-    rank's own access and its gates, a round start and a release on a CPU group of this
-    geometry, recorded instead of launched."""
+    """The (kernel, args, meta) of one fused access, one placement, one translate, a
+    prefetch, a deferred access and its replay (groups of two or more layers), one TP8 rank's
+    own access and its gates, a round start and a release on a CPU group of this geometry,
+    recorded instead of launched."""
     from ulacache.group import SelectionGroup
 
     from . import fused_access as fa
@@ -62,6 +63,11 @@ def record_launches(n_layers: int = 2, gpu_slots: int = 4096, row_bytes: int = 6
         fused.translate(addrs.to(torch.int32), torch.empty(addrs.shape, dtype=torch.int32))
         fused.run(addrs, place=False,  # a look-ahead prefetch (ulacache.prefetch)
                   prefetch_budget=torch.zeros((), dtype=torch.int64))
+        if n_layers > 1:  # a shared group's deferred access and one layer's replay
+            moves = torch.full((3, addrs.numel()), -1, dtype=torch.int32)
+            fused.run(addrs, place=False, out=torch.empty(addrs.shape, dtype=torch.int32),
+                      moves=moves)
+            fused.replay(moves, addrs.numel(), 1)
         fused.run(addrs, place=False, out=torch.empty(addrs.shape, dtype=torch.int32),
                   stripe=(8, 3, gpu_slots * 32))  # a TP8 rank's own access
         from ulacache.buffer import LocalBuffer

@@ -73,8 +73,9 @@ _ULACACHE_CONFIG_HELP = (
     "buffer + 8192: prefill page tables are translated in pieces of it), prefill_stage (mode "
     "dp: tokens of the one-layer stage a prefill longer than the GPU pool reads its selections "
     "from; default the model's context length, 0: none), prefetch (look-ahead prefetch: "
-    "{\"sources\": [\"previous_layer\", \"draft\"], \"fetch_cap\": rows per layer per "
-    "step, \"link_gbps\" with \"step_ms\"}; draft needs EAGLE/MTP verify; docs/prefetch.md); "
+    "{\"sources\": [\"previous_layer\", \"draft\", \"shared_groups\"], \"fetch_cap\": rows "
+    "per layer per step, \"link_gbps\" with \"step_ms\"}; draft needs EAGLE/MTP verify, "
+    "shared_groups a model whose layers share top-k and mode dp; docs/prefetch.md); "
     "mode tp "
     "adds buffer_slots and shard_indexer. Example: "
     '\'{"mode": "dp", "cpu_ratio": 4}\'.'

@@ -241,6 +241,8 @@ class UlaCacheCoordinator(HiSparseCoordinator):
                 raise StaleSelectionError(
                     f"layer {layer_id} reuses the selection of its group's anchor layer, which "
                     f"has not run in this step ({n} rows); it would read last step's rows")
+            if self.prefetch is not None:  # shared_groups: this layer's replayed bytes only
+                self.prefetch.before_load(layer_id - self._start_layer)
             self.core.load(layer_id - self._start_layer)  # TP: its bytes of the peer rows
             return self._rows_out[gi][:n].view(shape)
         pos = top_k_result.reshape(n, K).to(torch.int64)
@@ -260,12 +262,14 @@ class UlaCacheCoordinator(HiSparseCoordinator):
         out = self._rows_out[gi][:n]
         addrs = torch.where(valid, addrs, -1)
         pf = self.prefetch
-        if pf is not None:
-            pf.before_access(gi)  # this group's prefetch, issued at the previous group's
         # kv_buffer rows straight into the graph-stable output (the kernels add row_base)
-        self.core.plan(gi, addrs, out)  # TP: collective
-        if pf is not None:
-            pf.selected(gi, addrs)  # previous_layer: group gi + 1's prefetch starts now
+        if pf is None:
+            self.core.plan(gi, addrs, out)  # TP: collective
+        else:
+            # waits for this group's prefetch (issued at the previous group's selection),
+            # plans (shared_groups: the anchor's bytes; the rest on the prefetch stream) and
+            # issues group gi + 1's prefetch (previous_layer)
+            pf.plan(gi, addrs, out)
             if steps > 1:  # a verify batch: its last draft position looks one step ahead
                 pf.draft_selected(gi, addrs.view(bs, steps, K)[:, -1])
         self.core.load(layer_id - self._start_layer)

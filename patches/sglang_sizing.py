@@ -82,7 +82,8 @@ def pool_configurator_init_around(original_fn, self, kvc, *args, **kwargs):
     per_token, fixed = table_bytes_per_slot(
         len(groups), ratio=opts.host_to_device_ratio, page_size=page, n_buckets=opts.n_buckets,
         policy=opts.policy, tp_size=P, buffer_slots=B, layers=layers,
-        call_entries=opts.call_entries, prefetch=opts.prefetch.enabled)  # tables and scratch
+        call_entries=opts.call_entries, prefetch=opts.prefetch.enabled,  # tables and scratch
+        deferred_moves="shared_groups" in opts.prefetch.sources)
     outputs = coordinator_output_bytes(len(groups), request_slots(kvc, plan.max_running_requests),
                                        plan.top_k, plan.draft_tokens,
                                        draft_prefetch="draft" in opts.prefetch.sources)

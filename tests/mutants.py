@@ -362,7 +362,7 @@ SGLANG_STAGE_MUTANTS = [  # the SGLang seam of the prefill stage
      "return self.usable_stage() is not None", "every prefill batch staged"),
 ]
 
-PREFETCH_TESTS = ["tests/test_prefetch.py"]
+PREFETCH_TESTS = ["tests/test_prefetch.py", "tests/test_prefetch_shared.py"]
 PREFETCH_MUTANTS = [  # the look-ahead prefetch: its mechanism, the engine's order, the replay
     (G, "        self.policy.admit(victim)\n        promoted = ok.sum()",
      "        self.policy.touch(victim)\n        promoted = ok.sum()",
@@ -383,6 +383,12 @@ PREFETCH_MUTANTS = [  # the look-ahead prefetch: its mechanism, the engine's ord
      "prefetched rows\n            engine.round_started()\n"
      "        cache.extend_batch(dict.fromkeys(range(requests), 1))\n",
      "prefetches issued before the step's placements evict themselves"),
+    (G, "        layers = slice(0, 1) if defer else slice(None)",
+     "        layers = slice(0, 2) if defer else slice(None)",
+     "a deferred access also moves layer 1, which its replay then moves again"),
+    ("ulacache/prefetch.py", "            for li in range(first, last + 1):",
+     "            for li in range(first, last):",
+     "a layer's wait replays the layers before it but not its own"),
 ]
 
 CONFTEST = '''

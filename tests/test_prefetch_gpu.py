@@ -3,12 +3,13 @@ sequence with previous-layer prefetches on the engine's side stream, captured in
 and replayed, leaves exactly what the same calls made eagerly leave; and no call of a step with
 prefetch synchronises the host.
 
-The step the graph holds, per group ``g``: ``before_access(g)`` (the caller's stream waits for
-group ``g``'s prefetch event), ``access(g, sel)``, ``selected(g, sel)`` (the previous-layer
-source issues group ``g + 1``'s prefetch on the side stream: a fork of the capture, recorded
-into group ``g + 1``'s event and joined by the next ``before_access``). ``begin_step``, the round
-start, the step's placements and ``round_started`` stay eager, outside the graph, as a serving
-engine runs its scheduler between decode graphs.
+The step the graph holds, per group ``g``: ``plan(g, sel)`` (the caller's stream waits for
+group ``g``'s prefetch event, the access, and the previous-layer source issues group ``g + 1``'s
+prefetch on the side stream: a fork of the capture, recorded into group ``g + 1``'s event and
+joined by the next plan; with ``shared_groups`` the access moves the anchor layer's bytes and
+the other layer's are replayed on the side stream, joined by that layer's ``before_load``).
+``begin_step``, the round start, the step's placements and ``round_started`` stay eager,
+outside the graph, as a serving engine runs its scheduler between decode graphs.
 """
 
 from __future__ import annotations
@@ -48,9 +49,13 @@ def _need(path: str) -> None:
         pytest.skip("no CUDA row-kernel backend: the torch path's reference copies synchronise")
 
 
-def _twin(path: str) -> tuple[AddressSpace, PrefetchEngine]:
+SOURCE_SETS = pytest.mark.parametrize(
+    "sources", [("previous_layer",), ("previous_layer", "shared_groups")], ids="+".join)
+
+
+def _twin(path: str, sources: tuple[str, ...]) -> tuple[AddressSpace, PrefetchEngine]:
     """An address space filled with ``N_FILL`` identifiable rows (the last ``GPU`` placed on the
-    GPU, the rest spilled) and its engine (previous-layer source, ``CAP`` rows per group)."""
+    GPU, the rest spilled) and its engine (``sources``, ``CAP`` rows per group)."""
     cfg = UlaCacheConfig(layout="fp8", n_layers=N_LAYERS, layers_per_group=PER_GROUP,
                          gpu_slots=GPU, cpu_slots=CPU, n_buckets=BUCKETS, validate=False,
                          access_path=path)
@@ -58,7 +63,7 @@ def _twin(path: str) -> tuple[AddressSpace, PrefetchEngine]:
     for lo in range(0, N_FILL, 256):
         space.begin_round()
         _place(space, torch.arange(lo, min(N_FILL, lo + 256)))
-    eng = PrefetchEngine(space, PrefetchConfig(sources=("previous_layer",), fetch_cap=CAP),
+    eng = PrefetchEngine(space, PrefetchConfig(sources=sources, fetch_cap=CAP),
                          cfg.n_groups, RB * PER_GROUP, space.device)
     return space, eng
 
@@ -80,11 +85,14 @@ def _begin(space: AddressSpace, eng: PrefetchEngine, new: torch.Tensor) -> None:
 
 def _step(space: AddressSpace, eng: PrefetchEngine, sels: list[torch.Tensor],
           outs: list[torch.Tensor]) -> None:
-    """The per-group sequence of a decode step (what the graph captures)."""
+    """The per-group sequence of a decode step (what the graph captures): the group's plan
+    through the engine (its prefetch joined, the access, the next group's prefetch issued;
+    shared_groups: the anchor's bytes, the other layer's replayed on the side stream), then
+    each layer's own wait before it would read."""
     for g in range(N_GROUPS):
-        eng.before_access(g)
-        space.access(g, sels[g], out=outs[g])
-        eng.selected(g, sels[g])
+        eng.plan(g, sels[g], out=outs[g])
+        for layer in space.groups[g].layers:
+            eng.before_load(layer)
 
 
 def _draw(gen: torch.Generator, n_live: int) -> list[torch.Tensor]:
@@ -132,8 +140,9 @@ def _assert_rows(space: AddressSpace, n_live: int, sels, outs, what: str) -> Non
         assert torch.equal(got, want[sel[keep]]), f"{what}: layer {layer}'s accessed rows"
 
 
+@SOURCE_SETS
 @pytest.mark.parametrize("path", ["fused", "torch"])
-def test_a_captured_step_with_prefetch_replays_like_the_eager_step(path):
+def test_a_captured_step_with_prefetch_replays_like_the_eager_step(path, sources):
     """Three eager steps (every kernel compiled), then one step captured and replayed each
     step, against an eager twin fed the same placements and selections: identical rows
     returned, tables, counters, policy state and budgets after every step, and the bytes of
@@ -141,7 +150,7 @@ def test_a_captured_step_with_prefetch_replays_like_the_eager_step(path):
     wait on an event last recorded inside the capture (an uncaptured stream must not; the
     graph joined its prefetches itself)."""
     _need(path)
-    (a, eng_a), (b, eng_b) = _twin(path), _twin(path)
+    (a, eng_a), (b, eng_b) = _twin(path, sources), _twin(path, sources)
     dev = torch.device("cuda")
     static = [torch.full((BS, K), -1, dtype=torch.int64, device=dev) for _ in range(N_GROUPS)]
     outs_a = [torch.empty(BS, K, dtype=torch.int32, device=dev) for _ in range(N_GROUPS)]
@@ -179,14 +188,15 @@ def test_a_captured_step_with_prefetch_replays_like_the_eager_step(path):
     b.check_integrity()
 
 
+@SOURCE_SETS
 @pytest.mark.parametrize("path", ["fused", "torch"])
-def test_a_decode_step_with_prefetch_never_synchronises_the_host(path):
+def test_a_decode_step_with_prefetch_never_synchronises_the_host(path, sources):
     """``begin_step``, ``round_started`` and every group's ``before_access``, ``access``
     (validate off) and ``selected`` (which issues the next group's prefetch on the side
     stream) under ``torch.cuda.set_sync_debug_mode("error")``: any synchronising op raises.
     The round start and the placements run between them, outside the check."""
     _need(path)
-    space, eng = _twin(path)
+    space, eng = _twin(path, sources)
     dev = torch.device("cuda")
     outs = [torch.empty(BS, K, dtype=torch.int32, device=dev) for _ in range(N_GROUPS)]
     gen = torch.Generator().manual_seed(2)

@@ -214,6 +214,40 @@ def test_call_sequence_with_prefetch(shared, sources):
     assert all(g >= 1 for _, g in log)  # group 0: nothing runs before it in the forward
 
 
+def test_call_sequence_with_shared_groups():
+    """The shared_groups source on a shared-index model (beside previous_layer): every row a
+    swap-in returns holds its token's bytes; each shared group's anchor issues one replay and
+    each of its other layers waits for its own bytes only, in layer order, before the next
+    group's access (SGLang calls swap_in_selected_pages for every layer: the non-anchor
+    layers' waits are inside the captured forward too)."""
+    from ulacache.config import PrefetchConfig
+
+    h = Harness(True, prefetch=PrefetchConfig(sources=("shared_groups", "previous_layer"),
+                                              fetch_cap=16))
+    pf = h.coord.prefetch
+    _call_sequence(h, extra_steps=3)
+    log = pf.stream_log
+    start = h.pool.start_layer
+    groups = [[start + layer for layer in g] for g in h.pool.ula_groups]
+    shared = [g for g in groups if len(g) > 1]
+    assert shared
+    replays = [i for i, e in enumerate(log) if e[0] == "replay"]
+    assert len(replays) >= 10
+    for i in replays:
+        gi = log[i][1]
+        waits = [e for e in log[i + 1:] if e[0] in ("wait_layer", "replay", "fence")]
+        layers = [layer - start for layer in groups[gi][1:]]
+        assert waits[: len(layers)] == [("wait_layer", layer) for layer in layers], waits[:4]
+
+
+def test_shared_groups_on_a_model_without_sharing_is_refused():
+    from ulacache.config import PrefetchConfig
+    from ulacache.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="two or more layers"):
+        Harness(False, prefetch=PrefetchConfig(sources=("shared_groups",)))
+
+
 def test_draft_prefetch_without_speculative_decoding_is_refused():
     from ulacache.config import PrefetchConfig
     from ulacache.errors import ConfigError

@@ -206,3 +206,29 @@ def test_prefetch_tables_are_charged(G, ratio, L, path):
     per0, fixed0 = table_bytes_per_slot(cfg.n_groups, ratio=ratio, page_size=PAGE, n_buckets=8,
                                         call_scratch=fused)
     assert per0 * G + fixed0 < real
+
+
+@PATHS
+@pytest.mark.parametrize(("G", "ratio"), [(1000, 3), (5000, 5)])
+def test_shared_groups_move_list_is_charged(G, ratio, path):
+    """The ``shared_groups`` source's move list (``int32 [3, call_capacity]``) is inside
+    ``table_bytes(deferred_moves=True)``, within the same slack, and breaks the bound without."""
+    from ulacache.config import PrefetchConfig
+    from ulacache.prefetch import PrefetchEngine
+
+    fused = _path(path)
+    cfg = UlaCacheConfig(layout="tiny", row_bytes=1, n_layers=6, layers_per_group=3,
+                         gpu_slots=G, cpu_slots=(ratio - 1) * G, n_buckets=8, page_size=PAGE,
+                         access_path=path)
+    space = AddressSpace(cfg, n_logical=ratio * G + PAGE)
+    engine = PrefetchEngine(space, PrefetchConfig(sources=("shared_groups",)), cfg.n_groups, 1,
+                            space.device)
+    assert space.groups[0].moves is not None
+    rows = [t for g in space.groups for t in (g.pools.gpu, g.pools.cpu)]
+    real = sum(device_table_bytes(space, rows).values()) + engine.budgets.numel() * 8
+    kw = dict(ratio=ratio, page_size=PAGE, n_buckets=8, call_scratch=fused, prefetch=True)
+    per, fixed = table_bytes_per_slot(cfg.n_groups, deferred_moves=True, **kw)
+    extra = 2 * (128 * 28 + 16) if fused else 0
+    assert real <= per * G + fixed <= real + slack(G, cfg.n_groups, 8, "pblru", extra)
+    per0, fixed0 = table_bytes_per_slot(cfg.n_groups, **kw)
+    assert per0 * G + fixed0 < real

@@ -122,7 +122,7 @@ class _Checked(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
         return self.from_dict({**self.to_dict(), **changes})
 
 
-PrefetchSource = Literal["previous_layer", "draft"]  # ulacache.prefetch.SOURCES
+PrefetchSource = Literal["previous_layer", "draft", "shared_groups"]  # prefetch.SOURCES
 PREFETCH_SOURCES: tuple[str, ...] = typing.get_args(PrefetchSource)
 
 

@@ -246,6 +246,23 @@ def first_occurrence(claim: torch.Tensor, safe: torch.Tensor, keep: torch.Tensor
     return first
 
 
+def move_rows(gpu: torch.Tensor, cpu: torch.Tensor, victim: torch.Tensor, cslot: torch.Tensor,
+              dst: torch.Tensor) -> None:
+    """The bytes of promotions (the torch reference's data step), on pools ``uint8 [L, S + 1,
+    row_bytes]`` (every layer given, e.g. one layer's ``[l:l + 1]`` view). Per entry, ``int64
+    [n]``: ``victim`` the GPU slot the promoted row goes to (``-1``: no move); ``cslot`` the CPU
+    slot it comes from; ``dst`` the CPU slot the victim's row is written back to (``-1``: none,
+    the slot was free or the victim's shadow became its copy), ``dst == cslot`` a swap. Both
+    reads of a pair happen before either write. The same record drives a deferred access's
+    replay (:meth:`SelectionGroup.replay_layer`)."""
+    swap = (dst >= 0) & (dst == cslot)
+    into_free = (dst >= 0) & ~swap
+    gather_rows(gpu, torch.where(into_free, victim, -1), cpu, torch.where(into_free, dst, -1))
+    swap_rows(gpu, torch.where(swap, victim, -1), cpu, torch.where(swap, cslot, -1))
+    fill = (victim >= 0) & ~swap
+    gather_rows(cpu, torch.where(fill, cslot, -1), gpu, torch.where(fill, victim, -1))
+
+
 class SelectionGroup:
     """Pools, mapping and replacement policy of the layers that share one top-k selection.
 
@@ -364,6 +381,11 @@ class SelectionGroup:
         # prefetch scratch: the group's own until side tables are given (a prefetch on its
         # own stream must not share dedup scratch with accesses of other groups)
         self.prefetch_claim, self.fused_prefetch = self.claim_table, self.fused
+        # deferred accesses (access_deferred): the move list, shared by an address space's
+        # groups (given by use_move_list), and the entries of the last deferred call
+        self.moves: torch.Tensor | None = None
+        self.deferred_entries = 0
+        self._replay = self._replay_fused if fused else self._replay_torch
 
     def use_prefetch_tables(self, claim: torch.Tensor, scratch=None) -> None:
         """Prefetch with its own dedup table (``int64 [n_logical + 1]``, from
@@ -382,6 +404,19 @@ class SelectionGroup:
 
             self.fused_prefetch = fused_access.FusedAccess(replace(self.tables, claim=claim),
                                                            scratch)
+
+    def use_move_list(self, moves: torch.Tensor) -> None:
+        """Record deferred accesses' moves in ``moves int32 [3, >= max_call]`` (victim GPU
+        slot, source CPU slot, write-back CPU slot per entry; one list serves every group of an
+        address space: a group's replays finish before the next deferred access, which
+        :class:`ulacache.prefetch.PrefetchEngine` orders)."""
+        if len(self.layers) < 2:
+            raise ShapeError(f"a deferred access needs a group of >= 2 layers, not {self.layers}")
+        if moves.dim() != 2 or moves.shape[0] != 3 or moves.shape[1] < self.max_call or \
+                moves.dtype != torch.int32 or moves.device != self.device:
+            raise ShapeError(f"the move list must be int32 [3, >= {self.max_call}] on "
+                             f"{self.device}")
+        self.moves = moves
 
     # -- helpers --------------------------------------------------------------------------
     def _count(self, **values: torch.Tensor) -> None:
@@ -737,9 +772,10 @@ class SelectionGroup:
             return in_pieces(addrs, out, self.max_call, self.device, self._access_one)
         return self._access_one(addrs, out)
 
-    def _access_torch(self, addrs: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    def _access_torch(self, addrs: torch.Tensor, out: torch.Tensor | None,
+                      defer: bool = False) -> torch.Tensor:
         """:meth:`access` of at most :attr:`max_call` entries (metadata checked), the torch
-        reference."""
+        reference; ``defer``: :meth:`access_deferred`'s."""
         flat = addrs.reshape(-1).to(torch.int64)
         G = self.gpu_slots
         inrange, safe = self._range(flat)
@@ -757,7 +793,7 @@ class SelectionGroup:
         if checking:
             self._check_room(miss, hit_slots)
         self.policy.touch(hit_slots)
-        ok, victim, moved = self._promote_torch(flat, phys, miss)
+        ok, victim, moved = self._promote_torch(flat, phys, miss, defer=defer)
         self.policy.assign(victim)
         self._count(accesses=first.sum(), gpu_hits=hit.sum(), promotions=ok.sum(),
                     access_overflow=(miss & ~ok).sum(), invalid=bad.sum(), **moved)
@@ -770,12 +806,13 @@ class SelectionGroup:
         return out
 
     def _promote_torch(self, flat: torch.Tensor, phys: torch.Tensor, miss: torch.Tensor,
-                       limit: torch.Tensor | None = None
+                       limit: torch.Tensor | None = None, defer: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """Move the ``miss`` entries' rows (first occurrences of CPU-resident addresses; at
         most ``limit`` of them, in entry order) into victim GPU slots: data, then mapping,
         owners, shadows and the CPU free stack. The policy is the caller's (an access assigns
-        the victims, a prefetch admits them). Returns (promoted ``bool [n]``, victim slot or
+        the victims, a prefetch admits them). ``defer``: the data of the first layer only, the
+        moves recorded for :meth:`replay_layer`. Returns (promoted ``bool [n]``, victim slot or
         -1 ``int64 [n]``, eviction counts)."""
         G = self.gpu_slots
         rank = torch.cumsum(miss, 0) - 1
@@ -800,13 +837,12 @@ class SelectionGroup:
         dst = torch.where(into_free, popped, cslot)  # where a written-back victim goes
         keep = ok & ~swap if self.shadows else torch.zeros_like(ok)  # cslot stays a shadow
         # 1. data: victims without a shadow -> a free CPU slot or (swap) the vacated one;
-        #    promoted rows -> their victim GPU slots
-        gather_rows(self.pools.gpu, torch.where(into_free, victim, -1), self.pools.cpu,
-                    torch.where(into_free, popped, -1))
-        swap_rows(self.pools.gpu, torch.where(swap, victim, -1), self.pools.cpu,
-                  torch.where(swap, cslot, -1))
-        gather_rows(self.pools.cpu, torch.where(ok & ~swap, cslot, -1), self.pools.gpu,
-                    torch.where(ok & ~swap, victim, -1))
+        #    promoted rows -> their victim GPU slots (deferred: the anchor layer's only)
+        out_to = torch.where(copy_out, dst, -1)
+        layers = slice(0, 1) if defer else slice(None)
+        move_rows(self.pools.gpu[layers], self.pools.cpu[layers], victim, cslot, out_to)
+        if defer:
+            self.moves[:, : flat.numel()].copy_(torch.stack((victim, cslot, out_to)))
         # 2. mapping
         self._map(torch.where(ok, flat, self.n_logical), victim)
         self._map(torch.where(owned, owner, self.n_logical),
@@ -821,18 +857,60 @@ class SelectionGroup:
                                 shadowed=keep.sum(),
                                 rewrites=(copy_out & (had == WAS_ON_CPU)).sum())
 
-    def _access_fused(self, addrs: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    def _access_fused(self, addrs: torch.Tensor, out: torch.Tensor | None,
+                      defer: bool = False) -> torch.Tensor:
         """:meth:`access` of at most :attr:`max_call` entries, fused (four launches)."""
         if self._checking():
             self.check_access(addrs)
         rows = out if out is not None and out.is_contiguous() else \
             torch.empty(addrs.shape, dtype=torch.int32, device=self.device)
         self.fused.run(addrs.reshape(-1).contiguous(), place=False, out=rows,
-                       row_base=self.row_base)
+                       row_base=self.row_base, moves=self.moves if defer else None)
         if out is not None and rows is not out:
             out.copy_(rows)
             return out
         return rows
+
+    # -- deferred access: the anchor's bytes now, the other layers' on a side stream -------
+    def access_deferred(self, addrs: torch.Tensor, out: torch.Tensor | None = None
+                        ) -> torch.Tensor:
+        """:meth:`access` that moves only the group's first (anchor) layer's bytes and records
+        each promotion's move (victim GPU slot, source CPU slot, write-back CPU slot) in the
+        move list (:meth:`use_move_list`); :meth:`replay_layer` moves layer ``l``'s bytes of
+        the same moves later (UlaCache, arXiv 2610.29820, §6.3: the anchor's plan is exact for
+        its group, so the other layers' bytes move while the anchor attends).
+
+        Everything but those bytes is the access's, identical: mapping, owners, shadows, free
+        stack, policy and counters are final when it returns, so layer ``l >= 1`` must not be
+        read until its replay ran. Safe meanwhile: the moves touch only this call's victim
+        slots (unselected) and the CPU slots its promoted rows and victims use, which nothing
+        reads or reuses before the group's next round. ``addrs``: at most :attr:`max_call`
+        entries (a decode step); larger raises :class:`ShapeError`."""
+        self._index_meta(addrs, "access_deferred: addrs", dims=2)
+        check_out(out, addrs.shape, self.device, "access_deferred")
+        if self.moves is None:
+            raise ShapeError("access_deferred: no move list (use_move_list)")
+        if addrs.numel() > self.max_call:
+            raise ShapeError(f"access_deferred: {addrs.numel()} entries exceed the call "
+                             f"capacity {self.max_call} (use access)")
+        self.deferred_entries = addrs.numel()
+        return self._access_one(addrs, out, defer=True)
+
+    def replay_layer(self, li: int) -> None:
+        """Move layer ``li``'s (``1 <= li < L``, the group's own layer order) bytes of the last
+        :meth:`access_deferred`'s promotions: the anchor's copies, one layer later. Issued on
+        the caller's stream, no host sync, a fixed launch for a fixed call shape."""
+        if isinstance(li, bool) or not isinstance(li, int) or not 1 <= li < len(self.layers):
+            raise ShapeError(f"replay_layer: layer index {li!r} not in [1, {len(self.layers)})")
+        if self.deferred_entries:
+            self._replay(li, self.deferred_entries)
+
+    def _replay_torch(self, li: int, n: int) -> None:
+        m = self.moves[:, :n].to(torch.int64)
+        move_rows(self.pools.gpu[li: li + 1], self.pools.cpu[li: li + 1], m[0], m[1], m[2])
+
+    def _replay_fused(self, li: int, n: int) -> None:
+        self.fused.replay(self.moves, n, li)
 
     # -- prefetch: a hint, ahead of the access that needs the rows ------------------------
     def prefetch(self, addrs: torch.Tensor, budget: torch.Tensor) -> None:

@@ -42,8 +42,8 @@ from .errors import ConfigError, ShapeError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SOURCES", "PredictionSource", "PreviousLayer", "DraftTokens", "PrefetchEngine",
-           "rank_order"]
+__all__ = ["SOURCES", "PredictionSource", "PreviousLayer", "DraftTokens", "SharedGroups",
+           "PrefetchEngine", "rank_order"]
 
 
 def rank_order(addrs: torch.Tensor) -> torch.Tensor:
@@ -60,6 +60,9 @@ class PredictionSource(ABC):
     issues that group's one prefetch of the step (:meth:`PrefetchEngine.ready_groups`)."""
 
     name: str
+    defers_layers = False
+    """Whether this source moves a shared group's non-anchor layers' bytes off the access (the
+    engine's :meth:`PrefetchEngine.plan` then runs a deferred access and its replays)."""
     after_previous_group = False
     """Whether this source's prediction for group ``g`` needs group ``g - 1``'s selection of
     this step (then the engine issues group ``g``'s prefetch once that selection is known)."""
@@ -143,8 +146,24 @@ class DraftTokens(PredictionSource):
         return None if buf is None else rank_order(buf)
 
 
+class SharedGroups(PredictionSource):
+    """Models that share top-k across layers (GLM-5.2-style: one indexer for a group of
+    layers): the anchor layer's plan is exact for every layer of its group, so the access moves
+    only the anchor's bytes and the other layers' bytes of the same moves go on the prefetch
+    stream while the anchor attends (UlaCache, arXiv 2610.29820, §6.3); layer ``l`` waits only
+    for its own replay (:meth:`PrefetchEngine.before_load`). It predicts nothing new: without
+    shared groups (DeepSeek-V3.2, GLM-5) it has nothing to move, and the engine refuses it."""
+
+    name = "shared_groups"
+    defers_layers = True
+
+    def predict(self, group: int) -> torch.Tensor | None:
+        return None
+
+
 SOURCES: dict[str, type[PredictionSource]] = {"previous_layer": PreviousLayer,
-                                              "draft": DraftTokens}
+                                              "draft": DraftTokens,
+                                              "shared_groups": SharedGroups}
 """Source names (``prefetch.sources``) -> classes; ``config.PrefetchSource`` lists the same."""
 
 
@@ -166,10 +185,18 @@ class PrefetchEngine:
         capture needs them to exist); default: at the first draft.
 
     The engine's calls, in a step's order: :meth:`begin_step` before the round start,
-    :meth:`round_started` after it and the step's placements; per group,
-    :meth:`before_access` before its access and :meth:`selected` once its selection is known;
-    :meth:`draft_selected` for a draft token's selection (used next step); :meth:`fence`
-    before a release. ``stream_log`` (CPU, for tests) records ``(op, group)`` in issue order.
+    :meth:`round_started` after it and the step's placements; per group, :meth:`plan` (its
+    access: :meth:`before_access`, the core's plan, :meth:`selected`), and per layer
+    :meth:`before_load` before the layer reads its rows; :meth:`draft_selected` for a draft
+    token's selection (used next step); :meth:`fence` before a release. ``stream_log`` (CPU,
+    for tests) records ``(op, group)`` in issue order (``("wait_layer", layer)`` for a
+    layer's join).
+
+    ``shared_groups`` (DP only): each shared group's access moves its anchor layer's bytes;
+    layer ``l >= 1``'s bytes of the same moves are replayed on the prefetch stream, each with
+    its own event, which layer ``l``'s :meth:`before_load` waits for. On CPU (no streams) a
+    layer's replay runs at that wait, the latest moment the protocol allows, so a reader that
+    skipped its wait reads stale bytes (the tests' equality checks see it).
     """
 
     def __init__(self, core, config: PrefetchConfig, n_groups: int, group_row_bytes: int,
@@ -198,6 +225,21 @@ class PrefetchEngine:
         cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if cuda else None
         self.events = [torch.cuda.Event() for _ in range(n_groups)] if cuda else None
+        # shared_groups: layer -> (group, index in group); per shared group one event per
+        # non-anchor layer; _replays[g] = the first layer index of g not yet joined
+        self._layers = [len(g.layers) for g in core.groups]
+        self._layer_of = {layer: (gi, li) for gi, g in enumerate(core.groups)
+                          for li, layer in enumerate(g.layers)}
+        self.deferring = any(s.defers_layers for s in self.sources)
+        if self.deferring:
+            if core.config.tp_size > 1:
+                raise ConfigError("prefetch source 'shared_groups' needs DP mode: in TP mode "
+                                  "peers read every layer of a promoted row right after the "
+                                  "plan; legal in TP: previous_layer, draft")
+            core.use_move_list()  # refuses a model with no shared group
+        self.layer_events = [[torch.cuda.Event() for _ in range(n - 1)] for n in self._layers] \
+            if cuda and self.deferring else None
+        self._replays: dict[int, int] = {}
         # group -> its prefetch's predictions, issued and not yet waited for: the wait joins
         # the prefetch stream back (inside a capture too) and only then is the tensor let go
         # (the prefetch stream read it; no record_stream, which a capture does not honour)
@@ -228,13 +270,74 @@ class PrefetchEngine:
                 self._issue_predicted(g)
 
     def fence(self) -> None:
-        """The caller's stream waits for every prefetch issued and not yet waited for (before
-        a round start, which advances every group's policy, and before a release). Only those:
-        an event last recorded inside a CUDA-graph capture cannot be waited for outside it,
-        and a captured prefetch is joined inside its graph by its group's access."""
+        """The caller's stream waits for every prefetch and replay issued and not yet waited
+        for (before a round start, which advances every group's policy, and before a release).
+        Only those: an event last recorded inside a CUDA-graph capture cannot be waited for
+        outside it, and a captured prefetch is joined inside its graph by its group's access
+        (a replay by its layer's load)."""
         self._log("fence", -1)
+        self._join_replays()
         for g in sorted(self._pending):
             self._wait(g)
+
+    def plan(self, group: int, addrs: torch.Tensor, out: torch.Tensor | None = None
+             ) -> torch.Tensor:
+        """A group's access of this step with prefetch on: :meth:`before_access`, the core's
+        plan, :meth:`selected`; returns the plan's rows (``int32 [bs, k]``). With
+        ``shared_groups``, a shared group's access moves only its anchor layer's bytes and the
+        other layers' are replayed on the prefetch stream (a call larger than the core's call
+        capacity, a prefill's, moves every layer at once, as without)."""
+        self.before_access(group)
+        if self.deferring and self._layers[group] > 1 and \
+                addrs.numel() <= self.core.config.call_capacity:
+            self._join_replays()  # one move list: every earlier replay has read it
+            rows = self.core.access_deferred(group, addrs, out)
+            self._replay(group)
+        else:
+            rows = self.core.plan(group, addrs, out)
+        self.selected(group, addrs)
+        return rows
+
+    def before_load(self, layer: int) -> None:
+        """Layer-local wait before ``layer`` (a core layer id) reads its rows: its own bytes of
+        its group's deferred access, if any are outstanding, and nothing else."""
+        if layer not in self._layer_of:
+            raise ShapeError(f"before_load: layer {layer} is in no selection group")
+        g, li = self._layer_of[layer]
+        first = self._replays.get(g)
+        if first is not None and li >= first:
+            self._log("wait_layer", layer)
+            self._join_layers(g, li)
+
+    def _replay(self, group: int) -> None:
+        """Issue the non-anchor layers' bytes of ``group``'s deferred access on the prefetch
+        stream, after the access (CPU: at each layer's wait)."""
+        self._log("replay", group)
+        self._replays[group] = 1
+        if self.stream is None:
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            for li in range(1, self._layers[group]):
+                self.core.replay_layer(group, li)
+                self.layer_events[group][li - 1].record(self.stream)
+
+    def _join_layers(self, group: int, last: int) -> None:
+        """The caller's stream has layers ``[first, last]`` of ``group``'s replay."""
+        first = self._replays[group]
+        if self.stream is None:
+            for li in range(first, last + 1):
+                self.core.replay_layer(group, li)
+        else:
+            torch.cuda.current_stream(self.device).wait_event(self.layer_events[group][last - 1])
+        if last + 1 < self._layers[group]:
+            self._replays[group] = last + 1
+        else:
+            del self._replays[group]
+
+    def _join_replays(self) -> None:
+        for g in sorted(self._replays):
+            self._join_layers(g, self._layers[g] - 1)
 
     def before_access(self, group: int) -> None:
         """Layer-local wait: the caller's stream (the access's) waits for ``group``'s

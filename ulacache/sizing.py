@@ -87,7 +87,8 @@ class TPTables:
 def table_bytes(groups: int, *, n_logical: int | Affine, gpu_slots: int | Affine,
                 cpu_slots: int | Affine, n_buckets: int = 64, policy: str = "pblru",
                 tp: TPTables | None = None, call_scratch: bool = True,
-                call_entries: int | None = None, prefetch: bool = False) -> tuple[int, int]:
+                call_entries: int | None = None, prefetch: bool = False,
+                deferred_moves: bool = False) -> tuple[int, int]:
     """Device bytes of one rank's ulacache tables, ``(per_slot, fixed)``: a pool of ``x`` slots
     takes at most ``per_slot * x + fixed`` bytes of device memory besides its row pools (the
     GPU pools, engine-owned under SGLang, and the pinned host CPU pools are not counted).
@@ -117,6 +118,8 @@ def table_bytes(groups: int, *, n_logical: int | Affine, gpu_slots: int | Affine
     torch path). ``prefetch`` (:class:`ulacache.prefetch.PrefetchEngine`): the prefetches' own
     claim table ``int64 [n + 1]``, their fused scratch (one access scratch of the same
     capacity, shared by the groups) and the per-group budgets ``int64 [groups]``.
+    ``deferred_moves`` (the ``shared_groups`` source): the move list ``int32 [3,
+    call_capacity]``, one per address space.
     Not counted: host mirrors of the counters.
     """
     n, G, C = Affine.of(n_logical), Affine.of(gpu_slots), Affine.of(cpu_slots)
@@ -140,6 +143,8 @@ def table_bytes(groups: int, *, n_logical: int | Affine, gpu_slots: int | Affine
         total = total + 8 * (n + 1) + 8 * groups
         if call_scratch:
             total = total + call_scratch_bytes(groups, cap, False)
+    if deferred_moves:
+        total = total + 12 * cap
     return math.ceil(total.per), math.ceil(total.fixed)
 
 
@@ -162,8 +167,8 @@ def call_scratch_bytes(groups: int, capacity: int | Affine, tp: bool) -> Affine:
 def table_bytes_per_slot(groups: int, *, ratio: int, page_size: int, n_buckets: int = 64,
                          policy: str = "pblru", tp_size: int = 1, buffer_slots: int = 0,
                          layers: int = 0, call_scratch: bool = True,
-                         call_entries: int | None = None, prefetch: bool = False
-                         ) -> tuple[int, int]:
+                         call_entries: int | None = None, prefetch: bool = False,
+                         deferred_moves: bool = False) -> tuple[int, int]:
     """:func:`table_bytes` of the geometry an engine builds from its GPU token count ``x``
     (SGLang's ``max_total_num_tokens``): ``(per_slot, fixed)`` device bytes per rank.
 
@@ -185,7 +190,8 @@ def table_bytes_per_slot(groups: int, *, ratio: int, page_size: int, n_buckets: 
     return table_bytes(groups, n_logical=n_global.ceil_div(tp_size) if tp else n_global,
                        gpu_slots=x * (1 / P), cpu_slots=x * ((ratio - 1) / P),
                        n_buckets=n_buckets, policy=policy, tp=tp, call_scratch=call_scratch,
-                       call_entries=call_entries, prefetch=prefetch)
+                       call_entries=call_entries, prefetch=prefetch,
+                       deferred_moves=deferred_moves)
 
 
 def coordinator_output_bytes(groups: int, slots: int, top_k: int, draft_tokens: int,

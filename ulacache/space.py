@@ -33,7 +33,7 @@ from .group import (
 )
 from .health import CounterMonitor
 from .pblru import PBLRUArena
-from .pools import free_bytes, resolve_device
+from .pools import allocate, free_bytes, resolve_device
 from .sizing import table_bytes
 from .streams import CoreStream
 
@@ -291,6 +291,34 @@ class AddressSpace:
             g.use_prefetch_tables(claim, scratch)
             if g.fused_prefetch is not None:
                 scratch = g.fused_prefetch.shared_scratch
+
+    def use_move_list(self) -> None:
+        """Let the groups of two or more layers run deferred accesses: one move list, ``int32
+        [3, call_capacity]`` (12 B a call entry), shared by them, since a group's replays are
+        joined before the next deferred access (:class:`ulacache.prefetch.PrefetchEngine`'s
+        ``shared_groups`` source asks for it)."""
+        shared = [g for g in self.groups if len(g.layers) > 1]
+        if not shared:
+            raise ConfigError("deferred accesses need a selection group of two or more layers "
+                              "(a model whose layers share top-k); every group here has one")
+        moves = allocate((3, self.config.call_capacity), torch.int32, self.device,
+                         "the move list", fill=-1)
+        for g in shared:
+            g.use_move_list(moves)
+
+    def access_deferred(self, group: int, addrs: torch.Tensor,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`access` moving only the group's anchor layer's bytes; the other layers'
+        bytes move with :meth:`replay_layer` (see :meth:`SelectionGroup.access_deferred`)."""
+        g = self.group(group)
+        with self.stream.scope():
+            return g.access_deferred(addrs, out)
+
+    def replay_layer(self, group: int, li: int) -> None:
+        """Layer ``li`` (``>= 1``, the group's order) of the group's last deferred access. Issued
+        on the *caller's* stream (the prefetch stream, which the engine ordered after the
+        access), as :meth:`prefetch` is."""
+        self.group(group).replay_layer(li)
 
     def access_distinct(self, group: int, table: torch.Tensor, first: int = 0) -> None:
         """One access of a group on the distinct addresses of a large ``table`` (any shape,

@@ -116,11 +116,10 @@ class UlaCacheStore:
                 if engine is not None and self._prefetch_pending:
                     self._prefetch_pending = False
                     engine.round_started()
-                if engine is not None:
-                    engine.before_access(gi)  # this group's prefetch only
-                entry = (space.round_serial, space.plan(gi, addrs), None)
-                if engine is not None:
-                    engine.selected(gi, addrs)
+                if engine is None:
+                    entry = (space.round_serial, space.plan(gi, addrs), None)
+                else:  # waits for this group's prefetch only; shared_groups: anchor's bytes
+                    entry = (space.round_serial, engine.plan(gi, addrs), None)
                     if self.draft_hint is not None:
                         engine.draft_selected(gi, self.draft_hint(gi, addrs))
             else:
@@ -132,6 +131,8 @@ class UlaCacheStore:
         if rows.shape != topk.shape:
             raise ShapeError(f"layer {layer} reads {tuple(topk.shape)}, its group's plan is "
                              f"{tuple(rows.shape)}")
+        if self.prefetch is not None and not self.prefilling:
+            self.prefetch.before_load(layer)  # shared_groups: this layer's bytes only
         space.load(layer)  # TP: this layer's bytes of peers' rows into the buffer
         return _read(space.attn_rows(layer), rows)
 

@@ -318,8 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "replays with it and again without, and reports the D2H of each")
     rp.add_argument("--prefetch", default="", metavar="SOURCES",
                     help="dp mode: also replay with the look-ahead prefetch from these sources "
-                         "(comma-separated: previous_layer, draft; draft needs a trace with draft "
-                         "selections) and report "
+                         "(comma-separated: previous_layer, draft, shared_groups; draft needs a "
+                         "trace with draft selections, shared_groups layers that share top-k, "
+                         "which the bundled traces have not) and report "
                          "critical-path misses and H2D rows against the run without")
     rp.add_argument("--fetch-cap", type=_int_at_least(0), default=256,
                     help="prefetch: rows per group per step (default 256)")
