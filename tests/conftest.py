@@ -36,7 +36,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # The fused-kernel test files: marked ``kernels`` so CI's second stage reruns them under
 # Triton 3.8 in the same pytest run as the SGLang tests (``-m "sglang or kernels"``).
 KERNEL_FILES = frozenset({"test_fused_access.py", "test_fused_policy.py", "test_fused_tp.py",
-                          "test_fused_compile.py", "test_hostile_calls.py"})
+                          "test_fused_compile.py", "test_hostile_calls.py",
+                          "test_prefetch_shared.py"})
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker

@@ -114,9 +114,10 @@ def topk_reference(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch
 def order_keys(scores: torch.Tensor, positions: torch.Tensor,
                lengths: torch.Tensor) -> torch.Tensor:
     """Unique int64 order keys of ``scores`` float32/fp16/bf16 ``[bs, n]`` at ``positions`` int64
-    ``[n]`` (``-1`` = padding column, never eligible).
+    ``[n]``, or ``[bs, n]`` when each row's columns are other positions (page striping,
+    :mod:`ulacache.index_stripe`); ``-1`` = padding column, never eligible.
 
-    Column ``i`` of row ``b`` is eligible iff ``0 <= positions[i] < lengths[b]``. Returns int64
+    Column ``i`` of row ``b`` is eligible iff ``0 <= positions[(b,) i] < lengths[b]``. Returns int64
     ``[bs, n]``: eligible keys compare exactly as the reference order (higher score, then smaller
     position), ineligible columns hold :data:`MASKED_KEY`. Graph-safe.
     """
@@ -126,7 +127,8 @@ def order_keys(scores: torch.Tensor, positions: torch.Tensor,
     bits = s.view(torch.int32)
     ord32 = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # sign-flip: int order == float order
     ord32 = torch.where(torch.isnan(s), torch.full_like(ord32, _NAN_ORD), ord32)
-    pos = positions.to(torch.int64)[None, :]
+    pos = positions.to(torch.int64)
+    pos = pos[None, :] if pos.dim() == 1 else pos
     key = ord32.to(torch.int64) * (1 << 32) + _tiebreak(pos)
     eligible = (pos >= 0) & (pos < lengths.to(torch.int64)[:, None])
     return torch.where(eligible, key, torch.full_like(key, MASKED_KEY))
@@ -197,15 +199,18 @@ def local_candidates(local_scores: torch.Tensor, local_positions: torch.Tensor,
     where the rank has fewer than ``k`` eligible columns).
 
     ``local_scores`` float32/fp16/bf16 ``[bs, n]`` of the rank's columns, ``local_positions``
-    int64 ``[n]`` their global positions (``-1`` = padding), ``lengths`` integer ``[bs]`` global.
+    int64 ``[n]`` (or ``[bs, n]``, per row) their global positions (``-1`` = padding),
+    ``lengths`` integer ``[bs]`` global.
     The payload to all-gather is this tensor: ``CANDIDATE_BYTES * k`` (8k) bytes per batch row,
     fixed shape. ``k`` must be the global ``k`` (a smaller local ``k`` loses exactness when one
     rank holds most of the winners). Graph-safe.
     """
     _check_scores(local_scores, lengths, k, key_path=True)
-    if local_positions.shape != (local_scores.shape[1],) or local_positions.dtype.is_floating_point:
-        raise ShapeError(f"local_positions must be integer [{local_scores.shape[1]}], got "
-                         f"{local_positions.dtype} {tuple(local_positions.shape)}")
+    if local_positions.shape not in ((local_scores.shape[1],), local_scores.shape) or \
+            local_positions.dtype.is_floating_point:
+        raise ShapeError(f"local_positions must be integer [{local_scores.shape[1]}] or "
+                         f"{list(local_scores.shape)}, got {local_positions.dtype} "
+                         f"{tuple(local_positions.shape)}")
     if local_positions.device != local_scores.device:
         raise ShapeError(f"local_positions on {local_positions.device}, scores on "
                          f"{local_scores.device}")
