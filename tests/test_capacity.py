@@ -193,9 +193,17 @@ def test_output_rows_are_charged_per_selection_group():
             assert (cap.ulacache_tp_charge(inp, c, B)[1]
                     - cap.ulacache_tp_charge(inp, c, B, running=running)[1]) == d
     # the capacity columns charge Inputs.running: more running requests, fewer unique tokens
-    small, big = inputs(kv_gb=27, host_gb=128), inputs(kv_gb=27, host_gb=128, running=4096)
-    for system in ("ulacache_dp", "ulacache_tp_repl", "ulacache_tp_shard"):
+    small, big = inputs(kv_gb=27, host_gb=128, running=1), inputs(kv_gb=27, host_gb=128)
+    for system in ("ulacache_dp_whole", "ulacache_tp_repl", "ulacache_tp_shard"):
         assert cap.capacity(big, system).unique < cap.capacity(small, system).unique, system
+    # ... but never more than a DP launch can run (the coordinator refuses a step that does
+    # not fit the pool): the staged column's pool (c = 64 here) holds the decode step of
+    # fewer than 64 requests, so it charges (and rehearses) only those
+    pt = cap.capacity(big, "ulacache_dp")
+    step = big.top_k + 1
+    assert pt.running < 64 and pt.running * step <= pt.pool < (pt.running + 1) * step
+    huge = cap.capacity(inputs(kv_gb=27, host_gb=128, running=4096), "ulacache_dp_whole")
+    assert 64 < huge.running < 4096 and huge.running * step <= huge.pool
 
 
 @pytest.mark.parametrize("mode", ["dp", "tp"])
@@ -269,7 +277,7 @@ def test_json_contract():
             "host_kv_bytes", "tokens_per_gpu_gb", "tokens_per_host_gb", "max_requests",
             "ratio_at", "uncharged_gpu_bytes", "gpu_bytes_by_component",
             "gpu_bytes_per_unique_token", "cell_bytes", "table_bytes_per_gpu_token",
-            "tables_fraction_of_cell"}
+            "tables_fraction_of_cell", "pool_tokens", "running", "host_bound"}
     for r in res["rows"]:
         assert set(r) == keys
         assert set(r["max_requests"]) == set(r["ratio_at"]) == {str(n) for n in S}

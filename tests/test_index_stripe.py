@@ -137,6 +137,38 @@ def test_tables_that_do_not_cycle_are_refused_on_the_host_and_dropped_in_product
         st.check_balanced(real, lens)
     v = st.view(real, lens)  # production: the pages past the width are left out, no overrun
     assert v.table.tolist() == [[1, 2]] and int(v.lengths[0]) == 2 * PS
+    full = st.view(real, lens, width=4)  # the replicated table's width serves any order
+    assert full.table.tolist() == [[1, 2, 3, 4]] and int(full.lengths[0]) == 4 * PS
+    assert full.positions[0].tolist() == list(range(4 * PS))
+
+
+@pytest.mark.parametrize("P", [2, 4])
+def test_full_width_views_serve_pages_in_any_order(P):
+    """Pages from one shuffled free list (no class cycle: a plain paged allocator after
+    frees): with ``width = W`` every rank's top-k still merges to the unsharded one."""
+    gen = torch.Generator().manual_seed(30 + P)
+    lengths = lengths_for(P)
+    free = (torch.randperm(64 * P - 1, generator=gen) + 1).tolist()
+    W = max(-(-L // PS) for L in lengths)
+    real = torch.zeros(len(lengths), W, dtype=torch.int32)
+    for b, L in enumerate(lengths):
+        n = -(-L // PS)
+        real[b, :n] = torch.tensor([free.pop() for _ in range(n)], dtype=torch.int32)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    d, K = 4, 24
+    cache = torch.randint(-3, 4, (64 * P, PS, d)).float()
+    q = torch.randint(-2, 3, (len(lengths), d)).float()
+    ref = topk_exact(score(q, cache[real.long()].reshape(len(lengths), W * PS, d)),
+                     lens.long(), K)
+
+    def rank_main(peers):
+        st = PageStripe(P, peers.rank, PS)
+        v = st.view(real, lens, width=W)
+        keys = cache[peers.rank::P][v.table.long()].reshape(len(lengths), -1, d)
+        return striped_topk(score(q, keys), v, lens, K, peers.all_gather)
+
+    for got in run_ranks(P, rank_main):
+        assert torch.equal(got, ref)
     with pytest.raises(ShapeError, match="do not cycle"):  # the same verdict on every rank
         PageStripe(P, 1, PS).check_balanced(real, lens)
 

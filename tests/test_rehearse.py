@@ -7,12 +7,14 @@ import of SGLang each), DP and TP, each pinned to one xdist worker (``xdist_grou
 ``--dist loadgroup``). Each combination must fit: start-up allocations within SGLang's KV
 budget (up to SGLang's own padding pages), the CPU tier within the host budget, every call's
 transient peak within the memory outside the static pool, nothing left allocated after a call,
-no device value read, on the fused access path. The ratios are ``bench/capacity.py``'s picks,
-except B300 DP, where its pick (cpu_ratio 2) assumes a pool capped below SGLang's budget: a real
-launch sizes the pool from the whole budget and its CPU tier overflows the host (a refusal
-below). TP runs the prefill through 2 of the layers, the first and the last (same shapes in
-every layer; a call that left memory behind is caught whatever the number of layers; all
-layers take minutes).
+no device value read, on the fused access path. Each combination is the launch of a capacity
+column of ``bench/capacity.py`` (FP8; DP with the prefill stage, TP with replicated index-K),
+computed here: its ``cpu_ratio``, its ``--max-running-requests`` (DP at high ratios: the
+requests whose decode step fits the pool) and, where the host caps the pool (B300 DP), SGLang's
+``--max-total-tokens`` at the column's pool. The rehearsal must get the column's pool and
+per-token charge from SGLang's real configurator (issue 21, item 5). TP runs the prefill
+through 2 of the layers, the first and the last (same shapes in every layer; a call that left
+memory behind is caught whatever the number of layers; all layers take minutes).
 
 Refusals: a CPU tier over the host budget (through the command line: exit 1, one line naming
 it), a headroom smaller than a call's transient peak, and a pool too small for one step's
@@ -32,25 +34,45 @@ import pytest
 pytest.importorskip("sglang")
 pytestmark = pytest.mark.sglang
 
-# cpu_ratio per (model, gpu, mode): bench/capacity.py's picks (B300 DP: see the docstring)
-RATIOS = {("glm-5", "h200", "dp"): 11, ("glm-5", "h200", "tp"): 11,
-          ("glm-5", "b300", "dp"): 1, ("glm-5", "b300", "tp"): 117,
-          ("deepseek-v3.2", "h200", "dp"): 22, ("deepseek-v3.2", "h200", "tp"): 23,
-          ("deepseek-v3.2", "b300", "dp"): 1, ("deepseek-v3.2", "b300", "tp"): 159}
-RUNNING = 32  # requests per attention worker
+RUNNING = 32  # requests per attention worker (the plans that are not capacity columns)
 MIB = 2**20
 ENV = dict(os.environ, HF_HUB_OFFLINE="1")
+MODELS = {"glm-5": "glm5", "deepseek-v3.2": "dsv32"}
+SYSTEMS = {"dp": "ulacache_dp", "tp": "ulacache_tp_repl"}  # what ships: staged DP, TP
+
+
+def capacity_columns() -> dict[tuple[str, str, str], dict]:
+    """``bench/capacity.py``'s capacity column (FP8) per (model, gpu, mode): the launch each
+    one is (ratio, SGLang pool, --max-running-requests per worker, host cap)."""
+    from ulacache.tools.capacity import run
+
+    res = run(layouts="fp8", systems=tuple(SYSTEMS.values()))
+    by = {(r["model"], r["platform"], r["system"]): r for r in res["rows"]}
+    return {(m, g, mode): by[(key, g, system)] for m, key in MODELS.items()
+            for g in ("h200", "b300") for mode, system in SYSTEMS.items()}
+
+
+CAPACITY = capacity_columns()
 
 
 def plan(model, gpu, mode, config=None, **kw) -> dict:
-    return dict(model=model, gpu=gpu, mode=mode,
-                ulacache_config=config or {"cpu_ratio": RATIOS[(model, gpu, mode)]},
-                max_running_requests=RUNNING * (8 if mode == "dp" else 1),
-                prefill_layers=2 if mode == "tp" else 0, **kw)
+    return {"model": model, "gpu": gpu, "mode": mode, "ulacache_config": config,
+            "max_running_requests": RUNNING * (8 if mode == "dp" else 1),
+            "prefill_layers": 2 if mode == "tp" else 0, **kw}
+
+
+def capacity_plan(model, gpu, mode) -> dict:
+    """The launch of a capacity column: its ratio, its running requests and, where the host
+    caps the pool, SGLang's --max-total-tokens at the column's pool."""
+    col = CAPACITY[(model, gpu, mode)]
+    return plan(model, gpu, mode, {"cpu_ratio": col["ratio"]},
+                max_running_requests=col["running"] * (8 if mode == "dp" else 1),
+                max_total_tokens=col["pool_tokens"] if col["host_bound"] else None)
 
 
 BATCHES = {
-    "dp": {**{f"{m}/{g}": plan(m, g, "dp") for (m, g, mode) in RATIOS if mode == "dp"},
+    "dp": {**{f"{m}/{g}": capacity_plan(m, g, "dp") for (m, g, mode) in CAPACITY
+              if mode == "dp"},
            "draft": plan("glm-5", "h200", "dp", {"cpu_ratio": 4}, draft_tokens=3),
            "prefetch": plan("glm-5", "h200", "dp", {"cpu_ratio": 4, "prefetch": {
                "sources": ["previous_layer", "draft"], "fetch_cap": 256}}, draft_tokens=3),
@@ -59,7 +81,7 @@ BATCHES = {
            "small pool": plan("glm-5", "h200", "dp", {"cpu_ratio": 40}),
            # the capacity tool's B300 pick, with its pool: SGLang's --max-total-tokens cap
            "capped": plan("glm-5", "b300", "dp", {"cpu_ratio": 2}, max_total_tokens=1876160)},
-    "tp": {f"{m}/{g}": plan(m, g, "tp") for (m, g, mode) in RATIOS if mode == "tp"},
+    "tp": {f"{m}/{g}": capacity_plan(m, g, "tp") for (m, g, mode) in CAPACITY if mode == "tp"},
 }
 
 _CHILD = textwrap.dedent("""
@@ -108,6 +130,15 @@ def check_fits(report: dict) -> None:
     assert report["value_reads"] == {}
 
 
+def check_agrees(report: dict, name: str, mode: str) -> None:
+    """Issue 21's item 5: the rehearsal of a capacity column gets the pool and the per-token
+    charge ``bench/capacity.py`` computes for it, from SGLang's real configurator."""
+    model, gpu = name.split("/")
+    col = CAPACITY[(model, gpu, mode)]
+    assert report["pool_tokens"] == col["pool_tokens"], (name, col["ratio"])
+    assert report["cell_bytes"] == col["cell_bytes"], (name, col["ratio"])
+
+
 DP_NAMES = sorted(k for k in BATCHES["dp"] if "/" in k)
 TP_NAMES = sorted(BATCHES["tp"])
 
@@ -117,6 +148,7 @@ TP_NAMES = sorted(BATCHES["tp"])
 def test_every_dp_combination_fits(dp_reports, name):
     report = dp_reports[name]
     check_fits(report)
+    check_agrees(report, name, "dp")
     assert report["config"]["chunk_tokens"] == (8192 if "h200" in name else 16384) // 8
 
 
@@ -125,6 +157,7 @@ def test_every_dp_combination_fits(dp_reports, name):
 def test_every_tp_combination_fits(tp_reports, name):
     report = tp_reports[name]
     check_fits(report)
+    check_agrees(report, name, "tp")
     assert report["config"]["chunk_tokens"] == (8192 if "h200" in name else 16384)
 
 

@@ -99,9 +99,13 @@ class PageStripe:
         return -(-int(pages) // self.ranks)
 
     # -- decode ------------------------------------------------------------------------------
-    def view(self, real: torch.Tensor, lengths: torch.Tensor) -> StripeView:
+    def view(self, real: torch.Tensor, lengths: torch.Tensor,
+             width: int | None = None) -> StripeView:
         """This rank's :class:`StripeView` of request page tables ``real int [rows, W]`` with
-        ``lengths int [rows]`` tokens (pages past ``ceil(length / page)`` are padding)."""
+        ``lengths int [rows]`` tokens (pages past ``ceil(length / page)`` are padding).
+        ``width``: local table width in pages, default ``ceil(W / P)`` (pages that cycle
+        through the ranks); ``W`` serves any allocation order, balanced or not, at the
+        replicated table's width (the kernel's work still follows the local lengths)."""
         if real.dim() != 2 or real.dtype.is_floating_point:
             raise ShapeError(f"real must be an int page table [rows, W], got {real.dtype} "
                              f"{tuple(real.shape)}")
@@ -109,7 +113,10 @@ class PageStripe:
             raise ShapeError(f"lengths must be int [{real.shape[0]}], got {lengths.dtype} "
                              f"{tuple(lengths.shape)}")
         rows, W = real.shape
-        ps, Wl, dev = self.page_size, self.width(real.shape[1]), real.device
+        ps, dev = self.page_size, real.device
+        Wl = self.width(W) if width is None else int(width)
+        if Wl < 1:
+            raise ShapeError(f"view: width must be >= 1 page, got {width!r}")
         pages = real.to(torch.int64)
         length = lengths.to(torch.int64)
         j = torch.arange(W, device=dev)

@@ -299,6 +299,13 @@ def ulacache_tp_charge(inp: Inputs, c: int, buffer_rows: int, shard_index: bool 
                   + coordinator_outputs(inp, running))
 
 
+def host_rows(inp: Inputs) -> int:
+    """CPU-tier token rows (all layers) the host holds for one rank: its budget over the row
+    size, less the CPU pool's scratch row (``TierPools`` allocates ``C + 1`` rows per layer;
+    ``ulacache rehearse`` found a pool that missed it by 9 KB on 8xB300)."""
+    return max(inp.host_bytes // inp.lat - 1, 0)
+
+
 def ulacache_dp_pool(inp: Inputs, c: int, running: int | None = None,
                      staged: bool = True) -> int:
     """ulacache GPU pool G per rank (tokens) at ``cpu_ratio`` c: SGLang's
@@ -307,8 +314,32 @@ def ulacache_dp_pool(inp: Inputs, c: int, running: int | None = None,
     host."""
     cell, fixed = ulacache_dp_charge(inp, c, running, staged)
     gpu = max(inp.kv_bytes - fixed, 0) // cell
-    host = inp.host_bytes // (c * inp.lat) if c else gpu
+    host = host_rows(inp) // c if c else gpu
     return _pages(min(gpu, host))
+
+
+def ulacache_dp_launch(inp: Inputs, c: int, staged: bool = True) -> tuple[int, int, bool]:
+    """What a DP launch at ``cpu_ratio`` c gets: ``(G, running, host_bound)``. ``running`` is
+    the ``--max-running-requests`` per worker it can pass: :attr:`Inputs.running`, or fewer,
+    the most whose decode step fits the pool charged for their output rows (the coordinator
+    refuses to start otherwise: ``Core.check_step_capacity``). ``host_bound``: the host caps
+    the pool below SGLang's budget, so the launch must pass ``--max-total-tokens G`` (SGLang
+    sizes the pool from the GPU budget alone)."""
+    step = inp.draft_tokens * (inp.top_k + 1)
+
+    def fits(r: int) -> bool:  # the pool shrinks as r grows: one crossing
+        return step * r <= ulacache_dp_pool(inp, c, r, staged)
+
+    lo, hi = 0, inp.running  # fits(lo) (an empty step fits any pool)
+    if fits(hi):
+        lo = hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    running = lo
+    g = ulacache_dp_pool(inp, c, running, staged)
+    cell, fixed = ulacache_dp_charge(inp, c, running, staged)
+    return g, running, g < _pages(max(inp.kv_bytes - fixed, 0) // cell)
 
 
 def ulacache_tp_pool(inp: Inputs, c: int, buffer_rows: int, shard_index: bool,
@@ -322,7 +353,7 @@ def ulacache_tp_pool(inp: Inputs, c: int, buffer_rows: int, shard_index: bool,
         return 0
     n = avail // cell
     if c:
-        n = min(n, inp.gpus * (inp.host_bytes // (c * inp.lat)))  # each rank's CPU rows: c N / P
+        n = min(n, inp.gpus * (host_rows(inp) // c))  # each rank's CPU rows: c N / P
     return _pages(n)
 
 
@@ -352,6 +383,8 @@ class Point:
     components: dict = field(default_factory=dict)
     cell: int = 0  # bytes per GPU token SGLang's configurator charges (0: resident)
     table_cell: int = 0  # of which ulacache's tables
+    running: int | None = None  # ulacache: the --max-running-requests per worker it charges
+    host_bound: bool = False  # ulacache: the pool is capped by the host (--max-total-tokens)
 
 
 def _split(P: int, tokens: int, latent: int, index: int, tables: int, fixed: int) -> dict:
@@ -428,19 +461,20 @@ def capacity(inp: Inputs, system: str) -> Point:
         step = inp.draft_tokens * (inp.top_k + 1)
 
         def pool(r: int) -> int:
-            return ulacache_dp_pool(inp, r, staged=staged)
+            return ulacache_dp_launch(inp, r, staged)[0]
 
         if staged:  # the pool holds a chunk, and one step of the requests it is full of
             c = _pick(0, lambda r: (1 + r) * pool(r), pool, inp.chunk,
                       lambda r: step * ((1 + r) * pool(r) // inp.min_gpu_tokens) <= pool(r))
         else:  # the pool holds one longest request's prefill
             c = _pick(0, lambda r: (1 + r) * pool(r), pool, inp.min_gpu_tokens)
-        g = pool(c)
-        cell, fixed = ulacache_dp_charge(inp, c, staged=staged)
+        g, running, host_bound = ulacache_dp_launch(inp, c, staged)
+        cell, fixed = ulacache_dp_charge(inp, c, running, staged)
         per = _tables(inp.groups, 1 + c)[0]
         return Point(c, P * (1 + c) * g, P * g, P * c * g, P * (g * cell + fixed),
                      P * c * g * inp.lat, g,
-                     _split(P, g, inp.lat, inp.idx_anchors * (1 + c), per, fixed), cell, per)
+                     _split(P, g, inp.lat, inp.idx_anchors * (1 + c), per, fixed), cell, per,
+                     running, host_bound)
     if system in ("ulacache_tp_repl", "ulacache_tp_shard"):
         shard = system == "ulacache_tp_shard"
         b = tp_buffer_rows(inp, inp.running)
@@ -450,8 +484,10 @@ def capacity(inp: Inputs, system: str) -> Point:
         cell, fixed = ulacache_tp_charge(inp, c, b, shard)
         per = _tables(inp.groups, 1 + c, P, b, inp.layers)[0]
         lat = math.ceil(inp.lat / P)
+        host_bound = n < _pages(max(inp.kv_bytes - fixed, 0) // cell)
         return Point(c, (1 + c) * n, n + P * b, c * n, P * (n * cell + fixed), c * n * inp.lat,
-                     n, _split(P, n, lat, cell - lat - per, per, fixed), cell, per)
+                     n, _split(P, n, lat, cell - lat - per, per, fixed), cell, per,
+                     inp.running, host_bound)
     raise ValueError(f"unknown system {system!r}")
 
 
@@ -644,6 +680,11 @@ def run(*, platforms: str = "h200,b300", models: str = "glm5,dsv32",
                         "gpu_bytes_per_unique_token": {
                             k: v / cap.unique for k, v in cap.components.items()},
                         "cell_bytes": cap.cell, "table_bytes_per_gpu_token": cap.table_cell,
+                        # ulacache: the launch this column is (ulacache rehearse replays it):
+                        # SGLang's pool per rank (TP: the group's N), --max-running-requests
+                        # per worker, and whether --max-total-tokens must cap the pool
+                        "pool_tokens": cap.pool, "running": cap.running,
+                        "host_bound": cap.host_bound,
                         "tables_fraction_of_cell": (cap.table_cell / cap.cell if cap.cell
                                                     else 0.0),
                     })
