@@ -184,3 +184,42 @@ def load_bench(name: str):
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+def prefetch_test_config(geom, **kw):
+    """The small DP geometry the prefetch tests decode with (160 GPU + 640 CPU slots per
+    group, 4 buckets): prompts outgrow the GPU pool, so every step promotes and evicts."""
+    from ulacache.config import UlaCacheConfig
+
+    base = dict(layout="tiny", row_bytes=geom.row_bytes, n_layers=geom.n_layers,
+                layers_per_group=geom.layers_per_indexer, gpu_slots=160, cpu_slots=640,
+                page_size=64, max_requests=8, n_buckets=4)
+    return UlaCacheConfig(**{**base, **kw})
+
+
+def random_drafts(cfg, seed: int = 1):
+    """A stand-in for a draft token's selections (the reference model does not speculate):
+    random addresses anywhere in the logical space (other requests' rows, unplaced and freed
+    addresses included) and ``-1`` padding, fresh every call, reproducible."""
+    gen = torch.Generator().manual_seed(seed)
+    n_logical = cfg.n_logical_pages * cfg.page_size
+    return lambda group, addrs: torch.randint(-1, n_logical, tuple(addrs.shape), generator=gen)
+
+
+def logged_decode_step(geom, cfg, prefetch):
+    """Two requests prefilled (70 and 50 tokens), then one decode step, with the prefetch
+    engine's stream log cleared before it: ``(store, log)`` (the log as the step left it)."""
+    from ulacache.oracle.driver import UlaCacheStore
+    from ulacache.oracle.refmodel import DSAMLAModel
+
+    store = UlaCacheStore(UlaCache(cfg, layer_groups=geom.selection_groups()),
+                          prefetch=prefetch)
+    model = DSAMLAModel(geom, 0)
+    store.prefilling = True
+    for r, n in enumerate([70, 50]):
+        model.prefill(r, torch.arange(n) % geom.vocab, store)
+    store.prefilling = False
+    log = store.prefetch.stream_log
+    log.clear()
+    model.decode_step([0, 1], torch.tensor([1, 2]), store)
+    return store, log

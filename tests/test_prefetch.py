@@ -16,26 +16,12 @@ from ulacache.oracle.refmodel import ModelGeometry
 from ulacache.prefetch import PrefetchEngine, rank_order
 from ulacache.space import AddressSpace
 
+from .helpers import logged_decode_step, prefetch_test_config, random_drafts
+
 PREV = ("previous_layer",)
 
 
-def _cfg(geom: ModelGeometry, **kw) -> UlaCacheConfig:
-    base = dict(layout="tiny", row_bytes=geom.row_bytes, n_layers=geom.n_layers,
-                layers_per_group=geom.layers_per_indexer, gpu_slots=160, cpu_slots=640,
-                page_size=64, max_requests=8, n_buckets=4)
-    return UlaCacheConfig(**{**base, **kw})
-
-
 PROMPTS = [150, 90, 40, 120]
-
-
-def _random_drafts(cfg: UlaCacheConfig, seed: int = 1):
-    """A stand-in for a draft token's selections (the reference model does not speculate):
-    random addresses anywhere in the logical space (other requests' rows, unplaced and freed
-    addresses included) and ``-1`` padding, fresh every call, reproducible."""
-    gen = torch.Generator().manual_seed(seed)
-    n_logical = cfg.n_logical_pages * cfg.page_size
-    return lambda group, addrs: torch.randint(-1, n_logical, tuple(addrs.shape), generator=gen)
 
 
 SOURCE_SETS = [PREV, ("draft",), ("draft", "previous_layer")]
@@ -47,14 +33,14 @@ SOURCE_SETS = [PREV, ("draft",), ("draft", "previous_layer")]
 def test_dp_decoding_is_identical_with_prefetch_on_off_and_capped(sources, layers_per_indexer,
                                                                    validate):
     geom = ModelGeometry.tiny(layout="fp8", layers_per_indexer=layers_per_indexer)
-    cfg = _cfg(geom, validate=validate)
+    cfg = prefetch_test_config(geom, validate=validate)
     off = run_equality(geom, cfg, PROMPTS, n_steps=16)
     assert off.identical and "prefetches" in off.moved_per_step
     assert sum(off.moved_per_step["prefetches"]) == 0
     # groups that get a prediction each step: group 0 has no previous layer
     predicted = geom.n_groups - (0 if "draft" in sources else 1)
     for cap, want in ((100_000, "many"), (7, "capped"), (0, "none")):
-        rep = run_equality(geom, cfg, PROMPTS, n_steps=16, draft_hint=_random_drafts(cfg),
+        rep = run_equality(geom, cfg, PROMPTS, n_steps=16, draft_hint=random_drafts(cfg),
                            prefetch=PrefetchConfig(sources=sources, fetch_cap=cap))
         assert rep.identical, (cap, rep.mismatches[:5])
         per_step = rep.moved_per_step["prefetches"]
@@ -71,11 +57,11 @@ def test_dp_decoding_is_identical_with_prefetch_on_off_and_capped(sources, layer
 @pytest.mark.parametrize("cap", [100_000, 5])
 def test_tp_decoding_is_identical_with_prefetch(cap, sources):
     geom = ModelGeometry.tiny(layout="fp8", layers_per_indexer=1)
-    cfg = _cfg(geom, gpu_slots=80, cpu_slots=400, tp_size=2, buffer_slots=160)
+    cfg = prefetch_test_config(geom, gpu_slots=80, cpu_slots=400, tp_size=2, buffer_slots=160)
     pf = PrefetchConfig(sources=sources, fetch_cap=cap)
     predicted = geom.n_groups - (0 if "draft" in sources else 1)
     reports = run_ranks(2, lambda peers: run_equality(
-        geom, cfg, PROMPTS, 12, peers=peers, prefetch=pf, draft_hint=_random_drafts(cfg)))
+        geom, cfg, PROMPTS, 12, peers=peers, prefetch=pf, draft_hint=random_drafts(cfg)))
     for rep in reports:
         assert rep.identical, rep.mismatches[:5]
         assert 0 < sum(rep.moved_per_step["prefetches"]) <= 12 * cap * predicted
@@ -87,21 +73,8 @@ def test_waits_are_layer_local_and_a_step_fences_every_prefetch():
     advances every policy), each group's access waits for its own group only, and the
     previous-layer source prefetches group g + 1 right after group g's selection."""
     geom = ModelGeometry.tiny(layout="fp8", layers_per_indexer=1)
-    cfg = _cfg(geom)
-    from ulacache.cache import UlaCache
-    from ulacache.oracle.driver import UlaCacheStore
-    from ulacache.oracle.refmodel import DSAMLAModel
-
-    store = UlaCacheStore(UlaCache(cfg, layer_groups=geom.selection_groups()),
-                          prefetch=PrefetchConfig(sources=PREV))
-    model = DSAMLAModel(geom, 0)
-    store.prefilling = True
-    for r, n in enumerate([70, 50]):
-        model.prefill(r, torch.arange(n) % geom.vocab, store)
-    store.prefilling = False
-    log = store.prefetch.stream_log
-    log.clear()
-    model.decode_step([0, 1], torch.tensor([1, 2]), store)
+    _, log = logged_decode_step(geom, prefetch_test_config(geom),
+                                PrefetchConfig(sources=PREV))
     G = geom.n_groups
     want = [("fence", -1)]  # group 0: no previous layer, no prefetch, nothing to wait for
     for g in range(1, G):

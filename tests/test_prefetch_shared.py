@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ulacache.config import PrefetchConfig, UlaCacheConfig
+from ulacache.config import PrefetchConfig
 from ulacache.errors import ConfigError, ShapeError
 from ulacache.group import SelectionGroup
 from ulacache.ipc import run_ranks
@@ -20,23 +20,10 @@ from ulacache.pblru import PBLRUArena
 from ulacache.prefetch import PrefetchEngine
 from ulacache.space import AddressSpace
 
+from .helpers import logged_decode_step, prefetch_test_config, random_drafts
+
 SHARED = ("shared_groups",)
 PROMPTS = [150, 90, 40, 120]
-
-
-def config_for(geom: ModelGeometry, **kw) -> UlaCacheConfig:
-    base = dict(layout="tiny", row_bytes=geom.row_bytes, n_layers=geom.n_layers,
-                layers_per_group=geom.layers_per_indexer, gpu_slots=160, cpu_slots=640,
-                page_size=64, max_requests=8, n_buckets=4)
-    return UlaCacheConfig(**{**base, **kw})
-
-
-def random_drafts(cfg: UlaCacheConfig, seed: int = 1):
-    """Stand-in draft selections (the reference model does not speculate): random addresses
-    anywhere in the logical space and ``-1`` padding, reproducible."""
-    gen = torch.Generator().manual_seed(seed)
-    n_logical = cfg.n_logical_pages * cfg.page_size
-    return lambda group, addrs: torch.randint(-1, n_logical, tuple(addrs.shape), generator=gen)
 
 
 @pytest.mark.parametrize("validate", [True, False], ids=["checks-on", "production"])
@@ -48,7 +35,7 @@ def test_dp_decoding_is_identical_with_shared_groups(sources, layers_per_indexer
     capped and not) against the resident reference; promotions are the same rows as with
     prefetch off when shared_groups is alone (it moves bytes later, it changes no decision)."""
     geom = ModelGeometry.tiny(layout="fp8", layers_per_indexer=layers_per_indexer)
-    cfg = config_for(geom, validate=validate)
+    cfg = prefetch_test_config(geom, validate=validate)
     off = run_equality(geom, cfg, PROMPTS, n_steps=16)
     assert off.identical
     for cap in (100_000, 5):
@@ -66,7 +53,7 @@ def test_a_skipped_layer_wait_reads_stale_bytes():
     """The wait is load-bearing: with before_load a no-op (CPU replays run at the wait), a
     non-anchor layer reads rows whose bytes have not moved and the run is caught."""
     geom = ModelGeometry.tiny(layout="fp8", layers_per_indexer=2)
-    cfg = config_for(geom, validate=True)
+    cfg = prefetch_test_config(geom, validate=True)
     original = PrefetchEngine.before_load
     PrefetchEngine.before_load = lambda self, layer: None
     try:
@@ -83,22 +70,10 @@ def test_waits_are_per_layer_and_replays_follow_their_access():
     issues its replay, each non-anchor layer waits for its own replay (never the anchor, never
     another group's), previous_layer's prefetch of group g + 1 is issued after group g's
     replay, and the next step fences everything."""
-    from ulacache.cache import UlaCache
-    from ulacache.oracle.driver import UlaCacheStore
-    from ulacache.oracle.refmodel import DSAMLAModel
-
     geom = ModelGeometry.tiny(layout="fp8", layers_per_indexer=4)
-    cfg = config_for(geom)
-    store = UlaCacheStore(UlaCache(cfg, layer_groups=geom.selection_groups()),
-                          prefetch=PrefetchConfig(sources=("previous_layer", "shared_groups")))
-    model = DSAMLAModel(geom, 0)
-    store.prefilling = True
-    for r, n in enumerate([70, 50]):
-        model.prefill(r, torch.arange(n) % geom.vocab, store)
-    store.prefilling = False
-    log = store.prefetch.stream_log
-    log.clear()
-    model.decode_step([0, 1], torch.tensor([1, 2]), store)
+    store, log = logged_decode_step(
+        geom, prefetch_test_config(geom),
+        PrefetchConfig(sources=("previous_layer", "shared_groups")))
     groups = geom.selection_groups()
     want = [("fence", -1)]
     for g, layers in enumerate(groups):
@@ -229,13 +204,13 @@ def test_bad_calls_are_refused_and_change_nothing():
 
 
 def test_engine_refuses_a_model_without_shared_groups_and_tp_mode():
-    per_layer = config_for(ModelGeometry.tiny(layout="fp8", layers_per_indexer=1))
+    per_layer = prefetch_test_config(ModelGeometry.tiny(layout="fp8", layers_per_indexer=1))
     space = AddressSpace(per_layer, n_logical=1024)
     with pytest.raises(ConfigError, match="two or more layers"):
         PrefetchEngine(space, PrefetchConfig(sources=SHARED), per_layer.n_groups, 8,
                        space.device)
-    shared = config_for(ModelGeometry.tiny(layout="fp8", layers_per_indexer=2), gpu_slots=80,
-                        cpu_slots=400, tp_size=2, buffer_slots=160)
+    shared = prefetch_test_config(ModelGeometry.tiny(layout="fp8", layers_per_indexer=2),
+                                  gpu_slots=80, cpu_slots=400, tp_size=2, buffer_slots=160)
     from ulacache.tp import TPAddressSpace
 
     def build(peers):
@@ -251,7 +226,7 @@ def test_a_call_past_the_call_capacity_moves_every_layer_at_once():
     """A prefill-sized plan through the engine is not deferred (it would need chunks): every
     layer's bytes are in place when it returns, with no replay outstanding."""
     geom = ModelGeometry.tiny(layout="fp8", layers_per_indexer=2)
-    cfg = config_for(geom, call_entries=128)
+    cfg = prefetch_test_config(geom, call_entries=128)
     space = AddressSpace(cfg, n_logical=1024)
     eng = PrefetchEngine(space, PrefetchConfig(sources=SHARED), cfg.n_groups, 8, space.device)
     space.begin_round()
