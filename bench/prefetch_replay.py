@@ -14,13 +14,21 @@ replaced by the trace's next-step selection (what an accepted draft selects, exa
 at random (seed 0) among the steps; the recorded drafts stay on the others. It shows what a
 better drafter (an MTP or EAGLE head) would buy; it is not a measurement of one.
 
+Admission (``--admission SLOTS``, a second table): ``previous_layer`` at small pools, the
+issue's naive baseline (measured outside the repository: uncapped, every prefetched row
+inserted as the most recent) against ulacache's (prefetched rows admitted cold, uncapped and
+capped), each a ratio to the same pool without prefetch. The naive rows swap PB-LRU's cold
+``admit`` for its ``touch`` inside this script only; nothing in the product inserts hot.
+
     python bench/prefetch_replay.py                       # markdown table on stdout
     python bench/prefetch_replay.py --steps 32 --json     # quicker, one JSON object
+    python bench/prefetch_replay.py --sources '' --acceptance '' --admission 128,256,512
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -87,6 +95,56 @@ def run(trace: Trace, sources: list[tuple[str, ...]], caps: list[int],
             "rows": rows}
 
 
+UNCAPPED = 1 << 24  # PrefetchConfig's largest fetch_cap
+
+
+@contextlib.contextmanager
+def naive_admission():
+    """Prefetched rows inserted as the most recent (PB-LRU's ``touch`` in place of its cold
+    ``admit``): the naive baseline the issue reports, for this script's comparison only."""
+    from ulacache.pblru import PBLRU
+
+    saved = PBLRU.admit
+    PBLRU.admit = PBLRU.touch
+    try:
+        yield
+    finally:
+        PBLRU.admit = saved
+
+
+def admission(trace: Trace, slots: list[int], **kw) -> list[dict]:
+    """``previous_layer`` with naive (hot, uncapped) and ulacache's (cold; uncapped, cap 64)
+    admission at each GPU pool size, each against the same pool without prefetch."""
+    rows = []
+    for G in slots:
+        off = replay(trace, gpu_slots=G, **kw)
+        for name, cap, naive in (("naive: most recent, uncapped", UNCAPPED, True),
+                                 ("ulacache: cold, uncapped", UNCAPPED, False),
+                                 ("ulacache: cold, cap 64", 64, False)):
+            with naive_admission() if naive else contextlib.nullcontext():
+                r = replay(trace, gpu_slots=G, prefetch=PrefetchConfig(
+                    sources=("previous_layer",), fetch_cap=cap), **kw)
+            rows.append({"gpu_slots": G, "admission": name, "off_misses": off.misses,
+                         "misses_ratio": r.critical_path_misses / max(1, off.misses),
+                         "h2d_ratio": r.h2d_rows / max(1, off.h2d_rows),
+                         "prefetched_rows": r.prefetched_rows,
+                         "prefetched_used": r.prefetched_used})
+            logger.info("%d slots, %s: misses x%.2f, H2D x%.2f", G, name,
+                        rows[-1]["misses_ratio"], rows[-1]["h2d_ratio"])
+    return rows
+
+
+def admission_markdown(rows: list[dict]) -> str:
+    lines = ["previous_layer by admission (ratios to the same pool without prefetch)", "",
+             "| GPU slots per layer | admission | critical-path misses | H2D rows | prefetched "
+             "| of them selected |", "|---:|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['gpu_slots']} | {r['admission']} | x{r['misses_ratio']:.2f} | "
+                     f"x{r['h2d_ratio']:.2f} | {r['prefetched_rows']:,} | "
+                     f"{r['prefetched_used']:,} |")
+    return "\n".join(lines) + "\n"
+
+
 def markdown(res: dict) -> str:
     lines = [f"Prefetch replay (real core, CPU): trace {res['trace']}, {res['layers']} layers, "
              f"k = {res['k']}, {res['requests']} requests x {res['steps']} steps, "
@@ -120,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--caps", default="16,64,256", help="fetch caps (rows per layer per step)")
     ap.add_argument("--acceptance", default="0.5,0.7,1.0",
                     help="what-if draft acceptances ('' for none)")
+    ap.add_argument("--admission", default="",
+                    help="GPU slot counts for the admission table (naive hot vs cold), e.g. "
+                         "128,256,512 ('' for none)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
@@ -127,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sources = [tuple(s.split(",")) for s in a.sources.split(";") if s]
         caps = [int(x) for x in a.caps.split(",") if x]
+        slots = [int(x) for x in a.admission.split(",") if x]
         acceptances = _floats(a.acceptance)
     except ValueError as e:
         print(f"prefetch_replay: bad list: {e}", file=sys.stderr)
@@ -143,11 +205,16 @@ def main(argv: list[str] | None = None) -> int:
     trace = load_trace(a.trace)
     try:
         res = run(trace, sources, caps, acceptances, requests=a.requests, steps=a.steps,
-                  gpu_slots=a.gpu_slots)
+                  gpu_slots=a.gpu_slots) if sources or acceptances else None
+        adm = admission(trace, slots, requests=a.requests, steps=a.steps) if slots else None
     except ValueError as e:
         print(f"prefetch_replay: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(res) if a.json else markdown(res), end="" if not a.json else "\n")
+    if a.json:
+        print(json.dumps({**(res or {}), **({"admission": adm} if adm else {})}))
+        return 0
+    print((markdown(res) if res else "") + ("\n" if res and adm else "")
+          + (admission_markdown(adm) if adm else ""), end="")
     return 0
 
 
