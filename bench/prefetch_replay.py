@@ -121,10 +121,20 @@ def admission(trace: Trace, slots: list[int], **kw) -> list[dict]:
         for name, cap, naive in (("naive: most recent, uncapped", UNCAPPED, True),
                                  ("ulacache: cold, uncapped", UNCAPPED, False),
                                  ("ulacache: cold, cap 64", 64, False)):
-            with naive_admission() if naive else contextlib.nullcontext():
-                r = replay(trace, gpu_slots=G, prefetch=PrefetchConfig(
-                    sources=("previous_layer",), fetch_cap=cap), **kw)
+            try:
+                with naive_admission() if naive else contextlib.nullcontext():
+                    r = replay(trace, gpu_slots=G, prefetch=PrefetchConfig(
+                        sources=("previous_layer",), fetch_cap=cap), **kw)
+            except RuntimeError as e:  # hot prefetched rows pinned the pool: the access overflowed
+                if "overflowed" not in str(e):
+                    raise
+                rows.append({"gpu_slots": G, "admission": name, "off_misses": off.misses,
+                             "overflowed": True})
+                logger.info("%d slots, %s: the access overflowed (selected rows served as "
+                            "padding)", G, name)
+                continue
             rows.append({"gpu_slots": G, "admission": name, "off_misses": off.misses,
+                         "overflowed": False,
                          "misses_ratio": r.critical_path_misses / max(1, off.misses),
                          "h2d_ratio": r.h2d_rows / max(1, off.h2d_rows),
                          "prefetched_rows": r.prefetched_rows,
@@ -139,6 +149,10 @@ def admission_markdown(rows: list[dict]) -> str:
              "| GPU slots per layer | admission | critical-path misses | H2D rows | prefetched "
              "| of them selected |", "|---:|---|---:|---:|---:|---:|"]
     for r in rows:
+        if r["overflowed"]:
+            lines.append(f"| {r['gpu_slots']} | {r['admission']} | overflowed: prefetched rows "
+                         "pinned the pool, selected rows served as padding | | | |")
+            continue
         lines.append(f"| {r['gpu_slots']} | {r['admission']} | x{r['misses_ratio']:.2f} | "
                      f"x{r['h2d_ratio']:.2f} | {r['prefetched_rows']:,} | "
                      f"{r['prefetched_used']:,} |")
