@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from ulacache.pblru import PBLRU
 
 from .helpers import load_bench
@@ -34,3 +36,25 @@ def test_bad_lists_exit_2(capsys):
     pr = load_bench("prefetch_replay")
     assert pr.main(["--admission", "x"]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_an_overflowing_row_is_reported_not_raised(monkeypatch):
+    """A replay whose access overflowed (the naive insertion at a small pool) becomes a row
+    that says so; any other error still raises."""
+    pr = load_bench("prefetch_replay")
+    calls = []
+
+    def fake_replay(trace, prefetch=None, **kw):
+        calls.append(prefetch)
+        if prefetch is not None and PBLRU.admit is PBLRU.touch:
+            raise RuntimeError("replay overflowed the pools; see the warnings above")
+        return type("R", (), dict(misses=10, h2d_rows=10, critical_path_misses=5,
+                                  prefetched_rows=3, prefetched_used=1))()
+
+    monkeypatch.setattr(pr, "replay", fake_replay)
+    rows = pr.admission(None, [384])
+    assert [r["overflowed"] for r in rows] == [True, False, False] and len(calls) == 4
+    assert "overflowed: prefetched rows pinned the pool" in pr.admission_markdown(rows)
+    monkeypatch.setattr(pr, "replay", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("x")))
+    with pytest.raises(RuntimeError, match="x"):
+        pr.admission(None, [384])
