@@ -7,6 +7,7 @@ contract, that its ulacache columns charge what the SGLang sizing hook charges
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import subprocess
 import sys
@@ -375,7 +376,7 @@ def test_formulas_equal_sglang_sizing():
 
 # SGLang's real configurator through ulacache's sizing hook, in a child (as above).
 _HOOKED_SIZES = textwrap.dedent(f"""
-    import json, sys, types, torch
+    import itertools, json, sys, types, torch
     sys.path.insert(0, {str(ROOT)!r})
     from transformers import PretrainedConfig
     from sglang.srt.runtime_context import publish
@@ -390,6 +391,7 @@ _HOOKED_SIZES = textwrap.dedent(f"""
     # glm52: SGLang reads the sharing from indexer_types (dsa_layer_skips_topk)
     TYPES = {{"glm52": json.loads(sys.argv[2])}}
     CONTEXT_LEN = {cap.CONTEXT_LEN!r}  # SGLang's context_len: sizes the prefill stage
+    DTYPES = {{"fp8": (torch.float8_e4m3fn, "fp8_e4m3"), "bf16": (torch.bfloat16, "bfloat16")}}
     budget = int(sys.argv[1])
     launch.tp_group = lambda: types.SimpleNamespace(world_size=8)
     out = {{}}
@@ -400,7 +402,8 @@ _HOOKED_SIZES = textwrap.dedent(f"""
                                   "--max-running-requests", "64"])
         sa.resolve_once()
         publish(sa, role="scheduler")
-        for model, (arch, layers) in ARCH.items():
+        for (model, (arch, layers)), (layout, (dtype, dtype_str)) in itertools.product(
+                ARCH.items(), DTYPES.items()):
             extra = {{"indexer_types": TYPES[model]}} if model in TYPES else {{}}
             hf = PretrainedConfig(architectures=[arch], index_head_dim=128, index_topk=2048,
                                   num_hidden_layers=layers, **extra)
@@ -409,8 +412,8 @@ _HOOKED_SIZES = textwrap.dedent(f"""
                                        context_len=CONTEXT_LEN[model],
                                        linear_attn_registry_result=None)
             kvc = types.SimpleNamespace(
-                model_config=mc, kv_cache_dtype=torch.float8_e4m3fn,
-                kv_cache_dtype_str="fp8_e4m3", use_mla_backend=True, pool_page_size=64,
+                model_config=mc, kv_cache_dtype=dtype,
+                kv_cache_dtype_str=dtype_str, use_mla_backend=True, pool_page_size=64,
                 server_args=sa, is_draft_worker=False, pp_size=1, mambaish_config=None,
                 spec_algorithm=SpeculativeAlgorithm.NONE,
                 layer_info=types.SimpleNamespace(start_layer=0, end_layer=layers,
@@ -420,7 +423,7 @@ _HOOKED_SIZES = textwrap.dedent(f"""
                 conf = object.__new__(DefaultPoolConfigurator)
                 sz.pool_configurator_init_around(DefaultPoolConfigurator.__init__, conf, kvc)
                 lp = launch.plan_launch(kvc)  # what the sizing hook charged, the pool builds
-                out[f"{{model}}/{{mode}}/{{c}}"] = {{
+                out[f"{{model}}/{{layout}}/{{mode}}/{{c}}"] = {{
                     "cell": conf._cell_size, "fixed": conf._fixed_overhead_bytes,
                     "tokens": conf.calculate_pool_sizes(budget, 64).max_total_num_tokens,
                     "groups": len(lp.layer_groups(layers)),
@@ -435,8 +438,9 @@ def test_ulacache_columns_equal_the_hooked_sglang_sizing():
     """capacity.py's ulacache cell, fixed overhead (tables, tail page or TP rows, coordinator
     output rows), pool size and group count are what SGLang's real ``DefaultPoolConfigurator``
     gives through ``patches/sglang_sizing.py``: GLM-5, DeepSeek-V3.2 and the GLM-5.2-style
-    preset (21 indexer layers; the hook takes the shared layers' index-K back) FP8,
-    ``cpu_ratio`` 2 and 4, DP and TP8, ``--max-running-requests 64`` (``Inputs.running``)."""
+    preset (21 indexer layers; the hook takes the shared layers' index-K back), FP8 and BF16
+    KV, ``cpu_ratio`` 2 and 4, DP and TP8, ``--max-running-requests 64``
+    (``Inputs.running``)."""
     pytest.importorskip("sglang")
     budget = inputs().kv_bytes
     anchors = set(cap.indexer_layers(78, cap.SHARING["glm52"]))
@@ -446,12 +450,12 @@ def test_ulacache_columns_equal_the_hooked_sglang_sizing():
     assert out.returncode == 0, out.stderr[-3000:]
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
     res = json.loads(line[len("RESULT "):])
-    for model in ("glm5", "dsv32", "glm52"):
+    for model, layout in itertools.product(("glm5", "dsv32", "glm52"), ("fp8", "bf16")):
         # the GPU budget alone binds, as in SGLang; 64 = the published --max-running-requests
-        inp = inputs(model, "fp8", host_gb=10**6, running=64)
+        inp = inputs(model, layout, host_gb=10**6, running=64)
         B = cap.tp_buffer_rows(inp, 64)
         for c in (2, 4):
-            dp, tp = res[f"{model}/dp/{c}"], res[f"{model}/tp/{c}"]
+            dp, tp = res[f"{model}/{layout}/dp/{c}"], res[f"{model}/{layout}/tp/{c}"]
             assert dp["groups"] == tp["groups"] == inp.groups == inp.anchors
             assert inp.anchors == (21 if model == "glm52" else inp.layers)
             assert (dp["cell"], dp["fixed"]) == cap.ulacache_dp_charge(inp, c)
