@@ -8,8 +8,8 @@ import of SGLang each), DP and TP, each pinned to one xdist worker (``xdist_grou
 budget (up to SGLang's own padding pages), the CPU tier within the host budget, every call's
 transient peak within the memory outside the static pool, nothing left allocated after a call,
 no device value read, on the fused access path. Each combination is the launch of a capacity
-column of ``bench/capacity.py`` (FP8; DP with the prefill stage, TP with replicated index-K),
-computed here: its ``cpu_ratio``, its ``--max-running-requests`` (DP at high ratios: the
+column of ``bench/capacity.py`` (every FP8 column and GLM-5's BF16 on H200; DP with the
+prefill stage, TP with replicated index-K), computed here: its ``cpu_ratio``, its ``--max-running-requests`` (DP at high ratios: the
 requests whose decode step fits the pool) and, where the host caps the pool (B300 DP), SGLang's
 ``--max-total-tokens`` at the column's pool. The rehearsal must get the column's pool and
 per-token charge from SGLang's real configurator (issue 21, item 5). TP runs the prefill
@@ -41,15 +41,16 @@ MODELS = {"glm-5": "glm5", "deepseek-v3.2": "dsv32"}
 SYSTEMS = {"dp": "ulacache_dp", "tp": "ulacache_tp_repl"}  # what ships: staged DP, TP
 
 
-def capacity_columns() -> dict[tuple[str, str, str], dict]:
-    """``bench/capacity.py``'s capacity column (FP8) per (model, gpu, mode): the launch each
+def capacity_columns() -> dict[tuple[str, str, str, str], dict]:
+    """``bench/capacity.py``'s capacity column per (model, gpu, mode, layout): the launch each
     one is (ratio, SGLang pool, --max-running-requests per worker, host cap)."""
     from ulacache.tools.capacity import run
 
-    res = run(layouts="fp8", systems=tuple(SYSTEMS.values()))
-    by = {(r["model"], r["platform"], r["system"]): r for r in res["rows"]}
-    return {(m, g, mode): by[(key, g, system)] for m, key in MODELS.items()
-            for g in ("h200", "b300") for mode, system in SYSTEMS.items()}
+    res = run(layouts="fp8,bf16", systems=tuple(SYSTEMS.values()))
+    by = {(r["model"], r["platform"], r["system"], r["layout"]): r for r in res["rows"]}
+    return {(m, g, mode, lay): by[(key, g, system, lay)] for m, key in MODELS.items()
+            for g in ("h200", "b300") for mode, system in SYSTEMS.items()
+            for lay in ("fp8", "bf16")}
 
 
 CAPACITY = capacity_columns()
@@ -61,18 +62,29 @@ def plan(model, gpu, mode, config=None, **kw) -> dict:
             "prefill_layers": 2 if mode == "tp" else 0, **kw}
 
 
-def capacity_plan(model, gpu, mode) -> dict:
+def capacity_plan(model, gpu, mode, layout="fp8") -> dict:
     """The launch of a capacity column: its ratio, its running requests and, where the host
     caps the pool, SGLang's --max-total-tokens at the column's pool."""
-    col = CAPACITY[(model, gpu, mode)]
+    col = CAPACITY[(model, gpu, mode, layout)]
     return plan(model, gpu, mode, {"cpu_ratio": col["ratio"]},
                 max_running_requests=col["running"] * (8 if mode == "dp" else 1),
-                max_total_tokens=col["pool_tokens"] if col["host_bound"] else None)
+                max_total_tokens=col["pool_tokens"] if col["host_bound"] else None,
+                layout=layout)
+
+
+# every FP8 column, and BF16 for GLM-5 on H200 (the other BF16 columns: test_capacity's
+# hooked-configurator check; each rehearsal costs about 25 s of CI)
+REHEARSED = [(m, g, mode, lay) for (m, g, mode, lay) in CAPACITY
+             if lay == "fp8" or (m, g) == ("glm-5", "h200")]
+
+
+def name_of(model, gpu, layout) -> str:
+    return f"{model}/{gpu}" + ("" if layout == "fp8" else f"/{layout}")
 
 
 BATCHES = {
-    "dp": {**{f"{m}/{g}": capacity_plan(m, g, "dp") for (m, g, mode) in CAPACITY
-              if mode == "dp"},
+    "dp": {**{name_of(m, g, lay): capacity_plan(m, g, "dp", lay)
+              for (m, g, mode, lay) in REHEARSED if mode == "dp"},
            "draft": plan("glm-5", "h200", "dp", {"cpu_ratio": 4}, draft_tokens=3),
            "prefetch": plan("glm-5", "h200", "dp", {"cpu_ratio": 4, "prefetch": {
                "sources": ["previous_layer", "draft"], "fetch_cap": 256}}, draft_tokens=3),
@@ -81,7 +93,8 @@ BATCHES = {
            "small pool": plan("glm-5", "h200", "dp", {"cpu_ratio": 40}),
            # the capacity tool's B300 pick, with its pool: SGLang's --max-total-tokens cap
            "capped": plan("glm-5", "b300", "dp", {"cpu_ratio": 2}, max_total_tokens=1876160)},
-    "tp": {f"{m}/{g}": capacity_plan(m, g, "tp") for (m, g, mode) in CAPACITY if mode == "tp"},
+    "tp": {name_of(m, g, lay): capacity_plan(m, g, "tp", lay)
+           for (m, g, mode, lay) in REHEARSED if mode == "tp"},
 }
 
 _CHILD = textwrap.dedent("""
@@ -133,8 +146,8 @@ def check_fits(report: dict) -> None:
 def check_agrees(report: dict, name: str, mode: str) -> None:
     """Issue 21's item 5: the rehearsal of a capacity column gets the pool and the per-token
     charge ``bench/capacity.py`` computes for it, from SGLang's real configurator."""
-    model, gpu = name.split("/")
-    col = CAPACITY[(model, gpu, mode)]
+    model, gpu, *layout = name.split("/")
+    col = CAPACITY[(model, gpu, mode, layout[0] if layout else "fp8")]
     assert report["pool_tokens"] == col["pool_tokens"], (name, col["ratio"])
     assert report["cell_bytes"] == col["cell_bytes"], (name, col["ratio"])
 

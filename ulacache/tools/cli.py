@@ -366,6 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
     rh.add_argument("--mem-fraction-static", type=float, default=None,
                     help="SGLang's flag (default: 0.85 on H200, 272/288 on B300, as "
                     "bench/capacity.py)")
+    rh.add_argument("--layout", choices=["fp8", "bf16"], default="fp8",
+                    help="KV cache dtype (SGLang's --kv-cache-dtype fp8_e4m3 or bfloat16)")
     rh.add_argument("--max-total-tokens", type=_int_at_least(64), default=None,
                     help="SGLang's flag: cap the pool's GPU tokens below what the budget gives")
     rh.add_argument("--host-gb", type=float, default=None,

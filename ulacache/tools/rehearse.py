@@ -55,6 +55,7 @@ MODEL_KEYS = {"glm-5": "glm5", "deepseek-v3.2": "dsv32"}
 MODEL_TYPES = {"glm5": "glm_moe_dsa", "dsv32": "deepseek_v32"}
 ARCHITECTURES = {"glm5": "GlmMoeDsaForCausalLM", "dsv32": "DeepseekV32ForCausalLM"}
 PAGE = 64
+KV_DTYPES = {"fp8": (torch.float8_e4m3fn, "fp8_e4m3"), "bf16": (torch.bfloat16, "bfloat16")}
 DEFAULT_RUNNING = 64
 """``--max-running-requests`` per attention worker when not given (the TP buffer needs one)."""
 
@@ -75,6 +76,14 @@ class Plan:
     prefill_layers: int = 0  # 0: the prefill's page table goes through every layer
     host_gb: float | None = None  # host memory for the CPU tier per GPU (default: platform's)
     max_total_tokens: int | None = None  # SGLang's cap on the pool's GPU tokens
+    layout: str = "fp8"  # KV cache dtype: fp8 (SGLang's fp8_e4m3) | bf16
+
+    @property
+    def kv_dtype(self) -> tuple[torch.dtype, str]:
+        """``(torch dtype, SGLang's --kv-cache-dtype)`` of the latent KV."""
+        if self.layout not in KV_DTYPES:
+            raise ValueError(f"layout must be one of {sorted(KV_DTYPES)}, got {self.layout!r}")
+        return KV_DTYPES[self.layout]
 
     @property
     def mem_fraction(self) -> float:
@@ -112,7 +121,8 @@ class Plan:
              "--max-running-requests", str(self.running_flag),
              "--chunked-prefill-size", str(self.chunked_prefill_size or
                                            CHUNKED_PREFILL[self.gpu]),
-             "--mem-fraction-static", f"{self.mem_fraction:.4f}"]
+             "--mem-fraction-static", f"{self.mem_fraction:.4f}",
+             "--kv-cache-dtype", self.kv_dtype[1]]
         if self.max_total_tokens:
             a += ["--max-total-tokens", str(self.max_total_tokens)]
         if self.mode == "dp":
@@ -181,7 +191,7 @@ def configurator_view(plan: Plan, sa):
                                context_len=CONTEXT_LEN[plan.key], linear_attn_registry_result=None)
     spec = SpeculativeAlgorithm.EAGLE if plan.draft_tokens else SpeculativeAlgorithm.NONE
     return types.SimpleNamespace(
-        model_config=mc, kv_cache_dtype=torch.float8_e4m3fn, kv_cache_dtype_str="fp8_e4m3",
+        model_config=mc, kv_cache_dtype=plan.kv_dtype[0], kv_cache_dtype_str=plan.kv_dtype[1],
         use_mla_backend=True, pool_page_size=PAGE, server_args=sa, is_draft_worker=False,
         pp_size=1, mambaish_config=None, spec_algorithm=spec,
         attn_dp_size=plan.gpus if plan.mode == "dp" else 1,
@@ -297,8 +307,8 @@ def rank_body(plan: Plan, n_tokens: int, model_config, launch,
     ratio = launch.options.host_to_device_ratio
     R, K, L = plan.running, g.index_topk, g.n_layers
     steps = max(1, plan.draft_tokens)
-    dim = calculate_mla_kv_cache_dim(model_config=model_config,
-                                     kv_cache_dtype=torch.float8_e4m3fn)
+    kv_dtype = plan.kv_dtype[0]
+    dim = calculate_mla_kv_cache_dim(model_config=model_config, kv_cache_dtype=kv_dtype)
     ledger = Ledger()
     out: dict = {"phases": {}}
     dev = "meta"
@@ -309,13 +319,13 @@ def rank_body(plan: Plan, n_tokens: int, model_config, launch,
         if peers is not None:
             extra = dict(ulacache_tp_group=MirrorTPGroup(peers), ulacache_peers=peers)
         pool = UlaCacheDSATokenToKVPool(
-            n_tokens, page_size=PAGE, kv_lora_rank=g.kv_lora_rank, dtype=torch.float8_e4m3fn,
+            n_tokens, page_size=PAGE, kv_lora_rank=g.kv_lora_rank, dtype=kv_dtype,
             qk_rope_head_dim=g.qk_rope_dim, layer_num=L, device=dev,
             index_head_dim=g.index_head_dim, enable_memory_saver=False, kv_cache_dim=dim,
             max_running_requests=R, tail_extra_slots=plan.draft_tokens,
             host_to_device_ratio=ratio, ulacache_plan=launch, **extra)
         alloc = UlaCacheTokenToKVPoolAllocator(n_tokens, page_size=PAGE,
-                                               dtype=torch.float8_e4m3fn, device=dev,
+                                               dtype=kv_dtype, device=dev,
                                                kvcache=pool, need_sort=False,
                                                host_to_device_ratio=ratio)
         coord = UlaCacheCoordinator(
@@ -652,7 +662,7 @@ def main(args) -> int:
                 max_running_requests=args.max_running_requests,
                 mem_fraction_static=args.mem_fraction_static,
                 prefill_layers=args.prefill_layers, host_gb=args.host_gb,
-                max_total_tokens=args.max_total_tokens)
+                max_total_tokens=args.max_total_tokens, layout=args.layout)
     report = rehearse(plan)
     print(json.dumps(report, indent=1) if args.json else format_report(report))
     return 0 if report["ok"] else 1
