@@ -9,9 +9,10 @@ budget (up to SGLang's own padding pages), the CPU tier within the host budget, 
 transient peak within the memory outside the static pool, nothing left allocated after a call,
 no device value read, on the fused access path. Each combination is the launch of a capacity
 column of ``bench/capacity.py`` (every FP8 column and GLM-5's BF16 on H200; DP with the
-prefill stage, TP with replicated index-K), computed here: its ``cpu_ratio``, its ``--max-running-requests`` (DP at high ratios: the
-requests whose decode step fits the pool) and, where the host caps the pool (B300 DP), SGLang's
-``--max-total-tokens`` at the column's pool. The rehearsal must get the column's pool and
+prefill stage, TP with replicated index-K), computed here: its ``cpu_ratio``, its
+``--max-running-requests`` (DP at high ratios: the requests whose decode step fits the pool)
+and, where the host caps the pool (B300 DP), SGLang's ``--max-total-tokens`` at the column's
+pool. The rehearsal must get the column's pool and
 per-token charge from SGLang's real configurator (issue 21, item 5). TP runs the prefill
 through 2 of the layers, the first and the last (same shapes in every layer; a call that left
 memory behind is caught whatever the number of layers; all layers take minutes).

@@ -15,8 +15,11 @@ path reads one, so :meth:`SelectionGroup.check_integrity` derives it from the ma
 shadows (8 B per CPU slot per group saved: the CPU tier is ``cpu_ratio`` times the GPU pool).
 
 Every data movement follows the same order (design invariant 3): copy the bytes, then update
-the mapping. All of it is issued on one stream (:mod:`ulacache.streams`), so a later reuse of
-a slot is ordered after the copies out of it (invariant 8).
+the mapping. One stated exception: :meth:`SelectionGroup.access_deferred` maps before layers
+``1..L-1``'s bytes move (:meth:`SelectionGroup.replay_layer`); a reader of such a layer waits
+for its replay (``ulacache.prefetch.PrefetchEngine.before_load``). All of it is issued on
+one stream (:mod:`ulacache.streams`), so a later reuse of a slot is ordered after the copies
+out of it (invariant 8).
 
 Bad input. Every call checks tensor types, shapes and devices (metadata only, no sync) before
 it mutates anything. With ``validate`` on (and outside graph capture) the values are checked
