@@ -27,6 +27,7 @@ from typing import Any
 from .launch import building, layer_groups_from_skip, plan_launch, sglang_options
 from .sglang_allocator import ADMISSION_HOOKS, UlaCacheTokenToKVPoolAllocator
 from .sglang_coordinator import UlaCacheCoordinator
+from .sglang_index_stripe import STRIPE_HOOKS
 from .sglang_pool import UlaCacheDSATokenToKVPool
 from .sglang_sizing import SIZING_HOOKS
 from .sglang_tp_support import TP_HOOKS
@@ -86,5 +87,6 @@ EXTRA_HOOKS: dict[str, tuple[Any, str]] = {
     **SIZING_HOOKS,
     **ADMISSION_HOOKS,
     **TP_HOOKS,
+    **STRIPE_HOOKS,
 }
 """Hooks the plugin registers with the class swaps when the ulacache backend is selected."""

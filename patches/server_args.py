@@ -77,7 +77,9 @@ _ULACACHE_CONFIG_HELP = (
     "per layer per step, \"link_gbps\" with \"step_ms\"}; draft needs EAGLE/MTP verify, "
     "shared_groups a model whose layers share top-k and mode dp; docs/prefetch.md); "
     "mode tp "
-    "adds buffer_slots and shard_indexer. Example: "
+    "adds buffer_slots, shard_indexer (exact top-k merge over replicated index-K) and "
+    "stripe_index_k (index-K striped by page: 1/P per rank, scored locally, merged exactly; "
+    "docs/index-stripe.md). Example: "
     '\'{"mode": "dp", "cpu_ratio": 4}\'.'
 )
 

@@ -193,6 +193,15 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
             policy=opts.policy, validate=opts.validate, access_path=opts.access_path,
             call_entries=opts.call_entries, shadows=opts.shadows, **tp)
 
+    def _create_index_key_cache(self):
+        """SGLang's index-K store (``memory_pool.py:5387``), or with TP ``stripe_index_k``
+        this rank's ``1/P`` of it (:class:`~.sglang_index_stripe.StripedIndexKeyCache`)."""
+        if self.ula_tp is None or not self.ula_options.stripe_index_k:
+            return super()._create_index_key_cache()
+        from .sglang_index_stripe import StripedIndexKeyCache
+
+        return StripedIndexKeyCache(self, self.index_buf_size, self.ula_tp.group)
+
     def _create_buffers(self) -> None:
         """One ``uint8 [L_g, R, row_bytes]`` tensor per selection group, so a group's layers
         move in one launch; ``kv_buffer[layer]`` is its ``[R, 1, kv_cache_dim]`` view in the

@@ -19,7 +19,8 @@ knows nothing of ulacache, so one AROUND hook on ``DefaultPoolConfigurator.__ini
 * TP mode: ``ceil(latent / P)`` per token instead of the latent (each rank holds ``N / P`` own
   rows of the ``N`` global GPU tokens) and the rows per layer around them (sink page, scratch,
   ``B`` buffer rows, padding to a page) as fixed overhead. Index-K stays charged in full
-  (replicated on every rank);
+  (replicated on every rank), or with ``stripe_index_k`` ``1/P`` of it per token and three
+  pages per indexer layer (:func:`striped_index_k_charge`);
 * DP mode with a prefill stage (``LaunchPlan.stage_tokens``, ``prefill_stage``): one
   layer's rows of it (:class:`ulacache.layout.PoolRows` over the stage: sink page, the staged
   rows, scratch, padding to a page), fixed;
@@ -67,7 +68,13 @@ def pool_configurator_init_around(original_fn, self, kvc, *args, **kwargs):
                                      kv_cache_dtype=kvc.kv_cache_dtype) * \
         torch._utils._element_size(kvc.kv_cache_dtype)
     stock_cell = self._cell_size
-    self._cell_size -= elided_index_k_bytes(self, kvc, plan.skip_topk_layers, layers)
+    elided = elided_index_k_bytes(self, kvc, plan.skip_topk_layers, layers)
+    self._cell_size -= elided
+    index_fixed = 0
+    if P > 1 and opts.stripe_index_k:
+        index_cell, index_fixed = striped_index_k_charge(self, kvc, layers, elided, P,
+                                                         opts.host_to_device_ratio, page)
+        self._cell_size -= index_cell
     if P > 1:
         latent = row * layers
         self._cell_size -= latent - math.ceil(latent / P)
@@ -89,7 +96,7 @@ def pool_configurator_init_around(original_fn, self, kvc, *args, **kwargs):
                                        draft_prefetch="draft" in opts.prefetch.sources)
     stage = stage_bytes(page, plan.stage_tokens, row)
     self._cell_size += per_token
-    self._fixed_overhead_bytes += fixed + rows_bytes + outputs + stage
+    self._fixed_overhead_bytes += fixed + rows_bytes + outputs + stage + index_fixed
     logger.info(
         "ulacache sizing (%s, %d rank(s)): %d selection group(s) over %d layers; cell %d -> %d B "
         "per GPU token (ulacache tables %d B%s); fixed overhead +%.1f MiB (tables %.1f MiB, %s "
@@ -99,6 +106,21 @@ def pool_configurator_init_around(original_fn, self, kvc, *args, **kwargs):
         (fixed + rows_bytes + outputs + stage) / 2**20, fixed / 2**20,
         f"{B} buffer rows + sink, scratch, padding per layer" if P > 1 else "tail page",
         rows_bytes / 2**20, outputs / 2**20, plan.stage_tokens, stage / 2**20)
+
+
+def striped_index_k_charge(configurator, kvc, layers: int, elided: int, P: int, ratio: int,
+                           page: int) -> tuple[int, int]:
+    """``(cell bytes taken back, fixed bytes added)`` for index-K striped by page
+    (``stripe_index_k``, :mod:`~.sglang_index_stripe`): a rank stores ``ceil(pages / P) + 2``
+    of the ``pages`` (SGLang's ``IndexKeyCache`` count over ``N x ratio`` logical tokens) per
+    indexer layer, so the cell charges ``ceil(index / P)`` of the stock ``index`` bytes per
+    token and the fixed overhead three pages per indexer layer (the ceiling, the trash and
+    zero pages; SGLang's own extra page is inside the ceiling's slack)."""
+    size = configurator._compute_dsa_indexer_cell_size
+    index = size(kvc=kvc, num_layers=layers) - elided
+    per_layer_token = size(kvc=kvc, num_layers=1) // ratio  # 132 B (GLM-5, DeepSeek-V3.2)
+    indexer_layers = index // (per_layer_token * ratio) if per_layer_token else 0
+    return index - math.ceil(index / P), 3 * page * per_layer_token * indexer_layers
 
 
 def stage_bytes(page: int, stage_tokens: int, row_bytes: int) -> int:

@@ -50,6 +50,15 @@ def all_gather_into(grp, out: torch.Tensor, inp: torch.Tensor) -> None:
         dist.all_gather_into_tensor(out, inp, group=grp.device_group)
 
 
+def all_reduce_sum(grp, t: torch.Tensor) -> None:
+    """``t`` (contiguous, integer) summed in place over the group: ``torch.distributed`` on
+    the group's device group (NCCL on CUDA, gloo on CPU). Eager only (the prefill read of
+    striped index-K); SGLang's own ``all_reduce`` may route to kernels made for activations."""
+    import torch.distributed as dist
+
+    dist.all_reduce(t, group=grp.device_group)
+
+
 def all_gather_stack(grp, t: torch.Tensor) -> torch.Tensor:
     """``[P, *t.shape]``: every rank's ``t`` (same shape and dtype on every rank)."""
     src = t.contiguous()

@@ -31,10 +31,15 @@ __all__ = ["ExpectedHook", "HookVerificationError", "TP_HOOK_TARGETS", "hook_in_
 TP_HOOK_TARGETS = (
     "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.__init__",
     "sglang.srt.layers.attention.dsa.dsa_indexer_metadata.DSAIndexerMetadata.topk_transform",
+    "sglang.srt.layers.attention.dsa.dsa_indexer._index_k_write_targets",
+    "sglang.srt.layers.attention.dsa.dsa_indexer.Indexer._get_topk_paged",
 )
 """Targets TP mode cannot run without: the sizing hook (without it SGLang charges the full
 latent per rank and the pool's buffer is not budgeted; it also charges ulacache's tables in
-both modes, verified there with every other registered hook) and the sharded top-k merge."""
+both modes, verified there with every other registered hook), the sharded top-k merge, and
+striped index-K's write and decode seams (``stripe_index_k``: without them the fused store
+would write global slots into a rank's ``1/P`` store and decode would score its pages as if
+replicated)."""
 
 
 class HookVerificationError(RuntimeError):

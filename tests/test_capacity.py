@@ -151,7 +151,9 @@ def test_ulacache_tp_charge_is_the_sizing_hooks():
     assert cell - per == 45262 and per == 2102  # docs/sglang.md's DeepSeek-V3.2 TP8 example
     assert fix == fixed + (B + 128) * 61 * 656 + 32481800
     shard_cell, shard_fix = cap.ulacache_tp_charge(inp, 4, B, shard_index=True)
-    assert shard_cell == -(-61 * 656 // 8) + -(-5 * 61 * 132 // 8) + per and shard_fix == fix
+    # striped (stripe_index_k): index-K / P per token, three pages per indexer layer fixed
+    assert shard_cell == -(-61 * 656 // 8) + -(-5 * 61 * 132 // 8) + per
+    assert shard_fix == fix + 3 * 64 * 61 * 132
 
 
 def _hand_fixed(inp, mode, c, running, buffer_rows=0):
@@ -418,8 +420,9 @@ _HOOKED_SIZES = textwrap.dedent(f"""
                 spec_algorithm=SpeculativeAlgorithm.NONE,
                 layer_info=types.SimpleNamespace(start_layer=0, end_layer=layers,
                                                  num_effective_layers=layers))
-            for mode in ("dp", "tp"):
-                launch.sglang_options = lambda: SGLangOptions(mode=mode, cpu_ratio=c)
+            for mode in ("dp", "tp", "tp_stripe"):
+                launch.sglang_options = lambda: SGLangOptions(
+                    mode=mode[:2], cpu_ratio=c, stripe_index_k=mode == "tp_stripe")
                 conf = object.__new__(DefaultPoolConfigurator)
                 sz.pool_configurator_init_around(DefaultPoolConfigurator.__init__, conf, kvc)
                 lp = launch.plan_launch(kvc)  # what the sizing hook charged, the pool builds
@@ -428,7 +431,7 @@ _HOOKED_SIZES = textwrap.dedent(f"""
                     "tokens": conf.calculate_pool_sizes(budget, 64).max_total_num_tokens,
                     "groups": len(lp.layer_groups(layers)),
                     "sized": {{"buffer_slots": lp.buffer_slots, "tp_size": lp.tp_size}}
-                    if mode == "tp" else {{}}}}
+                    if mode != "dp" else {{}}}}
     print("RESULT " + json.dumps(out))
 """)
 
@@ -439,7 +442,8 @@ def test_ulacache_columns_equal_the_hooked_sglang_sizing():
     output rows), pool size and group count are what SGLang's real ``DefaultPoolConfigurator``
     gives through ``patches/sglang_sizing.py``: GLM-5, DeepSeek-V3.2 and the GLM-5.2-style
     preset (21 indexer layers; the hook takes the shared layers' index-K back), FP8 and BF16
-    KV, ``cpu_ratio`` 2 and 4, DP and TP8, ``--max-running-requests 64``
+    KV, ``cpu_ratio`` 2 and 4, DP, TP8 and TP8 with index-K striped by page,
+    ``--max-running-requests 64``
     (``Inputs.running``)."""
     pytest.importorskip("sglang")
     budget = inputs().kv_bytes
@@ -463,6 +467,9 @@ def test_ulacache_columns_equal_the_hooked_sglang_sizing():
             assert tp["sized"] == {"buffer_slots": B, "tp_size": 8}
             assert (tp["cell"], tp["fixed"]) == cap.ulacache_tp_charge(inp, c, B)
             assert tp["tokens"] == cap.ulacache_tp_pool(inp, c, B, False)
+            st = res[f"{model}/{layout}/tp_stripe/{c}"]  # index-K striped by page
+            assert (st["cell"], st["fixed"]) == cap.ulacache_tp_charge(inp, c, B, True)
+            assert st["tokens"] == cap.ulacache_tp_pool(inp, c, B, True)
 
 
 def test_gpu_bytes_split_by_component():

@@ -9,7 +9,8 @@ budget (up to SGLang's own padding pages), the CPU tier within the host budget, 
 transient peak within the memory outside the static pool, nothing left allocated after a call,
 no device value read, on the fused access path. Each combination is the launch of a capacity
 column of ``bench/capacity.py`` (every FP8 column and GLM-5's BF16 on H200; DP with the
-prefill stage, TP with replicated index-K), computed here: its ``cpu_ratio``, its
+prefill stage, TP with replicated index-K; GLM-5 FP8's TP columns with index-K striped by
+page, ``stripe_index_k``), computed here: its ``cpu_ratio``, its
 ``--max-running-requests`` (DP at high ratios: the requests whose decode step fits the pool)
 and, where the host caps the pool (B300 DP), SGLang's ``--max-total-tokens`` at the column's
 pool. The rehearsal must get the column's pool and
@@ -39,7 +40,8 @@ RUNNING = 32  # requests per attention worker (the plans that are not capacity c
 MIB = 2**20
 ENV = dict(os.environ, HF_HUB_OFFLINE="1")
 MODELS = {"glm-5": "glm5", "deepseek-v3.2": "dsv32"}
-SYSTEMS = {"dp": "ulacache_dp", "tp": "ulacache_tp_repl"}  # what ships: staged DP, TP
+# what ships: staged DP, TP with replicated index-K, TP with index-K striped by page
+SYSTEMS = {"dp": "ulacache_dp", "tp": "ulacache_tp_repl", "tp_stripe": "ulacache_tp_shard"}
 
 
 def capacity_columns() -> dict[tuple[str, str, str, str], dict]:
@@ -67,7 +69,10 @@ def capacity_plan(model, gpu, mode, layout="fp8") -> dict:
     """The launch of a capacity column: its ratio, its running requests and, where the host
     caps the pool, SGLang's --max-total-tokens at the column's pool."""
     col = CAPACITY[(model, gpu, mode, layout)]
-    return plan(model, gpu, mode, {"cpu_ratio": col["ratio"]},
+    config = {"cpu_ratio": col["ratio"]}
+    if mode == "tp_stripe":
+        mode, config["stripe_index_k"] = "tp", True
+    return plan(model, gpu, mode, config,
                 max_running_requests=col["running"] * (8 if mode == "dp" else 1),
                 max_total_tokens=col["pool_tokens"] if col["host_bound"] else None,
                 layout=layout)
@@ -76,7 +81,8 @@ def capacity_plan(model, gpu, mode, layout="fp8") -> dict:
 # every FP8 column, and BF16 for GLM-5 on H200 (the other BF16 columns: test_capacity's
 # hooked-configurator check; each rehearsal costs about 25 s of CI)
 REHEARSED = [(m, g, mode, lay) for (m, g, mode, lay) in CAPACITY
-             if lay == "fp8" or (m, g) == ("glm-5", "h200")]
+             if (lay == "fp8" or (m, g) == ("glm-5", "h200")) and
+             (mode != "tp_stripe" or (m, lay) == ("glm-5", "fp8"))]
 
 
 def name_of(model, gpu, layout) -> str:
@@ -94,8 +100,10 @@ BATCHES = {
            "small pool": plan("glm-5", "h200", "dp", {"cpu_ratio": 40}),
            # the capacity tool's B300 pick, with its pool: SGLang's --max-total-tokens cap
            "capped": plan("glm-5", "b300", "dp", {"cpu_ratio": 2}, max_total_tokens=1876160)},
-    "tp": {name_of(m, g, lay): capacity_plan(m, g, "tp", lay)
-           for (m, g, mode, lay) in REHEARSED if mode == "tp"},
+    "tp": {**{name_of(m, g, lay): capacity_plan(m, g, "tp", lay)
+              for (m, g, mode, lay) in REHEARSED if mode == "tp"},
+           **{"stripe:" + name_of(m, g, lay): capacity_plan(m, g, "tp_stripe", lay)
+              for (m, g, mode, lay) in REHEARSED if mode == "tp_stripe"}},
 }
 
 _CHILD = textwrap.dedent("""
@@ -147,6 +155,8 @@ def check_fits(report: dict) -> None:
 def check_agrees(report: dict, name: str, mode: str) -> None:
     """Issue 21's item 5: the rehearsal of a capacity column gets the pool and the per-token
     charge ``bench/capacity.py`` computes for it, from SGLang's real configurator."""
+    if name.startswith("stripe:"):
+        name, mode = name[len("stripe:"):], "tp_stripe"
     model, gpu, *layout = name.split("/")
     col = CAPACITY[(model, gpu, mode, layout[0] if layout else "fp8")]
     assert report["pool_tokens"] == col["pool_tokens"], (name, col["ratio"])

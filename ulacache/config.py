@@ -261,8 +261,10 @@ class SGLangOptions(_Checked, frozen=True, forbid_unknown_fields=True, kw_only=T
     ``null`` derives it as ``max_running_requests x draft tokens x (top_k + 1)`` (every selection
     of one step may be a peer's row; start-up refuses TP mode when ``--max-running-requests`` is
     unset). ``shard_indexer`` (TP only): merge the decode/verify top-k exactly across the group
-    (each rank ranks the columns ``j`` with ``j mod P == rank``); the indexer keys themselves stay
-    replicated under SGLang (docs/sglang.md).
+    (each rank ranks the columns ``j`` with ``j mod P == rank``) over replicated indexer keys.
+    ``stripe_index_k`` (TP only, exclusive with it): each rank stores the indexer keys of its
+    own pages only (page ``l`` on rank ``l mod P``, SGLang's page interleave), scores them with
+    SGLang's kernels and the group merges the top-k exactly (docs/index-stripe.md).
     """
 
     _what = "--ulacache-config"
@@ -274,6 +276,9 @@ class SGLangOptions(_Checked, frozen=True, forbid_unknown_fields=True, kw_only=T
     validate: bool = False  # host-side checks on every step (debugging; syncs the GPU)
     buffer_slots: Optional[Annotated[int, Meta(ge=1, le=MAX_GPU_SLOTS)]] = None  # TP only
     shard_indexer: bool = False  # TP only: exact sharded top-k merge (index-K replicated)
+    # TP only: index-K striped by page (1/P per rank, patches/sglang_index_stripe.py); the
+    # decode / verify top-k is then merged exactly across the group
+    stripe_index_k: bool = False
     access_path: AccessPath = "auto"  # "torch" forces the reference path (debugging)
     shadows: bool = True  # evictions of promoted rows remap to their CPU copy (no write-back)
     # entries per kernel call (UlaCacheConfig.call_entries; null: GPU pool + buffer + 8192)
@@ -289,10 +294,15 @@ class SGLangOptions(_Checked, frozen=True, forbid_unknown_fields=True, kw_only=T
     def _check(self) -> None:
         if self.mode != "tp":
             for key, value in (("buffer_slots", self.buffer_slots is not None),
-                               ("shard_indexer", self.shard_indexer)):
+                               ("shard_indexer", self.shard_indexer),
+                               ("stripe_index_k", self.stripe_index_k)):
                 if value:
                     raise ConfigError(f"--ulacache-config key {key!r} is only for mode 'tp' "
                                       f"(got mode {self.mode!r})")
+        elif self.stripe_index_k and self.shard_indexer:
+            raise ConfigError("--ulacache-config keys 'stripe_index_k' and 'shard_indexer' are "
+                              "exclusive: striped index-K already merges the top-k exactly "
+                              "across the group (shard_indexer merges over replicated keys)")
         elif self.prefill_stage:
             raise ConfigError("--ulacache-config key 'prefill_stage' is only for mode 'dp' (a TP "
                               "stage would gather peers' rows; mode 'tp' prefill batches must "

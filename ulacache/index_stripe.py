@@ -98,6 +98,34 @@ class PageStripe:
         """Local table width for request tables ``pages`` wide: ``ceil(pages / P)``."""
         return -(-int(pages) // self.ranks)
 
+    # -- a rank's store (SGLang's paged index-K cache, 1/P of it) --------------------------------
+    def stored_pages(self, pages: int) -> int:
+        """Pages a rank stores of a cache of ``pages`` global pages (ids ``[0, pages)``): the
+        most any rank owns, ``ceil(pages / P)``. The store adds two pages after them: a
+        *trash* page (:meth:`write_rows` sends tokens of other ranks' pages there, so writes
+        need no filter and no host sync) and a *zero* page (never written; what
+        :meth:`read_table` gives for pages this rank does not hold)."""
+        return self.width(pages)
+
+    def write_rows(self, locs: torch.Tensor, pages: int) -> torch.Tensor:
+        """Token rows in this rank's store (``stored_pages(pages) + 2`` pages) for writes of
+        token slots ``locs`` (int, any shape): an owned token's row, every other token's row
+        in the trash page (same offset). Same shape, int64; fixed-shape, no host sync."""
+        ps = self.page_size
+        loc = locs.to(torch.int64)
+        trash = self.stored_pages(pages) * ps + loc % ps
+        return torch.where(self.owner(loc // ps) == self.rank, self.local_rows(loc), trash)
+
+    def read_table(self, table: torch.Tensor, live: torch.Tensor, pages: int) -> torch.Tensor:
+        """This rank's page ids for a request page table ``table`` (int, global ids) where
+        ``live`` (bool, same shape) marks entries to read: the local page where this rank owns
+        it, the zero page (``stored_pages(pages) + 1``) everywhere else. Reading the table
+        through it gives this rank's tokens and zeros for the others', so the ranks' reads
+        summed are the replicated read (:meth:`assemble` without a host sync)."""
+        pages_ = table.to(torch.int64)
+        mine = live & (self.owner(pages_) == self.rank)
+        return torch.where(mine, self.local_pages(pages_), self.stored_pages(pages) + 1)
+
     # -- decode ------------------------------------------------------------------------------
     def view(self, real: torch.Tensor, lengths: torch.Tensor,
              width: int | None = None) -> StripeView:

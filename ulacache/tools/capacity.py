@@ -29,7 +29,8 @@ Systems, on P = 8 GPUs (per rank ``D`` bytes of GPU KV budget, ``H_host`` bytes 
   the same without the stage; every prefill batch must fit the pool.
 - **ulacache TP** (``patches/sglang_tp_support.py``): one address space striped over the 8
   ranks; per rank per global GPU token ``ceil(lat / P)`` plus index-K ``idx * (1 + c)``
-  (replicated, what ships) or ``/ P`` (sharded, not built under SGLang) plus the rank's tables
+  (replicated) or ``/ P`` (``stripe_index_k``: striped by page, three pages per indexer layer
+  fixed) plus the rank's tables
   per global token (``table_bytes_per_slot`` in TP mode: its stripe's tables and the buffers'
   maps over every global address); fixed: the tables' fixed bytes (buffer holders and PB-LRU
   state over ``B`` slots per group) + ``(B + 128) x lat`` (sink page, scratch, ``B`` buffer
@@ -136,7 +137,7 @@ LABELS = {"sglang_dp": "SGLang DP8", "sglang_tp": "SGLang TP8", "hisparse_dp": "
           "hisparse_tp": "HiSparse TP8", "ulacache_dp": "ulacache DP8",
           "ulacache_dp_whole": "ulacache DP8 (stage 0)",
           "ulacache_tp_repl": "ulacache TP8 (idx repl)",
-          "ulacache_tp_shard": "ulacache TP8 (idx shard)"}
+          "ulacache_tp_shard": "ulacache TP8 (idx stripe)"}
 
 
 def indexer_layers(n_layers: int, sharing: tuple[int, int] | None = None) -> list[int]:
@@ -287,16 +288,18 @@ def ulacache_dp_charge(inp: Inputs, c: int, running: int | None = None,
 def ulacache_tp_charge(inp: Inputs, c: int, buffer_rows: int, shard_index: bool = False,
                        running: int | None = None) -> tuple[int, int]:
     """``(cell, fixed)`` per rank under the sizing hook in TP mode, per global GPU token:
-    ``ceil(lat / P)`` + index-K (``idx (1 + c)``; ``/ P`` when sharded, not built under SGLang) +
-    the rank's tables; fixed: the tables' fixed bytes + ``(B + 2 x page)`` rows per layer (sink
-    page, scratch, ``B`` buffer rows, padding to a page) + the coordinator's output rows for
-    ``running`` requests (:func:`coordinator_outputs`)."""
+    ``ceil(lat / P)`` + index-K (``idx (1 + c)``; ``ceil(/ P)`` when striped by page,
+    ``stripe_index_k``) + the rank's tables; fixed: the tables' fixed bytes + ``(B + 2 x page)``
+    rows per layer (sink page, scratch, ``B`` buffer rows, padding to a page) + the
+    coordinator's output rows for ``running`` requests (:func:`coordinator_outputs`) + striped:
+    three index-K pages per indexer layer (``patches/sglang_sizing.striped_index_k_charge``)."""
     P = inp.gpus
     per, fixed = _tables(inp.groups, 1 + c, P, buffer_rows, inp.layers)
     index = inp.idx_anchors * (1 + c)
     cell = math.ceil(inp.lat / P) + (math.ceil(index / P) if shard_index else index) + per
     return cell, (fixed + (buffer_rows + 2 * PAGE) * inp.lat
-                  + coordinator_outputs(inp, running))
+                  + coordinator_outputs(inp, running)
+                  + (3 * PAGE * inp.idx_anchors if shard_index else 0))
 
 
 def host_rows(inp: Inputs) -> int:
