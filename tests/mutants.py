@@ -12,6 +12,7 @@
     python tests/mutants.py prefill    # a prefill longer than the pool (rounds, the stage)
     python tests/mutants.py prefetch   # the look-ahead prefetch (test_prefetch.py)
     .venv-sglang/bin/python tests/mutants.py sglang_stage  # the stage's SGLang seam
+    .venv-sglang/bin/python tests/mutants.py sglang_stripe  # striped index-K's SGLang seams
 
 Copies the repository to a temporary directory, applies each mutant below (one line of the core
 changed the way a tired engineer might), runs the core tests there twice with the derandomized
@@ -391,6 +392,24 @@ PREFETCH_MUTANTS = [  # the look-ahead prefetch: its mechanism, the engine's ord
      "a layer's wait replays the layers before it but not its own"),
 ]
 
+SGLANG_STRIPE_TESTS = ["tests/test_sglang_tp_stripe.py"]  # the SGLang venv's python
+SGLANG_STRIPE_MUTANTS = [  # index-K striped by page under SGLang (stripe_index_k)
+    ("ulacache/index_stripe.py",
+     "return torch.where(self.owner(loc // ps) == self.rank, self.local_rows(loc), trash)",
+     "return self.local_rows(loc)", "other ranks' tokens written over owned rows"),
+    ("patches/sglang_index_stripe.py",
+     "            tps.all_reduce_sum(self.stripe.group, t.view(torch.int32))", "            pass",
+     "the prefill read without the group's sum"),
+    ("ulacache/index_stripe.py", "mine = live & (self.owner(pages_) == self.rank)",
+     "mine = live", "the prefill read takes pages the rank does not own"),
+    ("patches/sglang_index_stripe.py",
+     "view = self.stripe.view(table, lengths, width=table.shape[1])",
+     "view = self.stripe.view(table, lengths)",
+     "balanced-width tables over pages that do not cycle (pages dropped)"),
+    ("patches/sglang_index_stripe.py", "        lengths = self.get_seqlens_expanded()\n",
+     "        lengths = self.stripe_view.lengths\n", "the merge masks by local lengths"),
+]
+
 CONFTEST = '''
 from hypothesis import Phase
 settings.register_profile("mutation", derandomize=True, deadline=None,
@@ -419,6 +438,7 @@ def main() -> int:
                   "interface": [(*m, INTERFACE_TESTS) for m in INTERFACE_MUTANTS],
                   "prefill": [(*m, PREFILL_TESTS) for m in PREFILL_MUTANTS],
                   "sglang_stage": [(*m, SGLANG_STAGE_TESTS) for m in SGLANG_STAGE_MUTANTS],
+                  "sglang_stripe": [(*m, SGLANG_STRIPE_TESTS) for m in SGLANG_STRIPE_MUTANTS],
                   "shadows": [(*m, SHADOW_TESTS) for m in SHADOW_MUTANTS],
                   "fused_shadows": [(*m, FUSED_SHADOW_TESTS) for m in FUSED_SHADOW_MUTANTS],
                   "prefetch": [(*m, PREFETCH_TESTS) for m in PREFETCH_MUTANTS]}

@@ -183,6 +183,13 @@ def test_every_tp_combination_fits(tp_reports, name):
     check_fits(report)
     check_agrees(report, name, "tp")
     assert report["config"]["chunk_tokens"] == (8192 if "h200" in name else 16384)
+    index_k = report["allocations"]["pool.index_key_cache.buffer[*]"]["bytes"]
+    pages = (report["pool_tokens"] * (1 + report["plan"]["ulacache_config"]["cpu_ratio"])
+             + 64 + 1) // 64  # SGLang's IndexKeyCache count over the logical space
+    layers = 78 if name.split("/")[0].endswith("glm-5") else 61
+    # striped: ceil(pages / 8) + trash and zero pages per layer; replicated: every page
+    stored = -(-pages // 8) + 2 if name.startswith("stripe:") else pages
+    assert index_k == stored * 64 * 132 * layers, (name, index_k, stored)
 
 
 @pytest.mark.xdist_group("rehearse_dp")

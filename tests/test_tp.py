@@ -71,6 +71,27 @@ def test_tp2_threads_decode_equals_resident(layout, layers_per_indexer):
     assert all(r.index_keys_held * 2 == r.index_keys_full for r in reports)
 
 
+@pytest.mark.parametrize("P", [2, 4])
+def test_page_striped_indexer_decode_equals_resident(P):
+    """Index-K striped by page (``stripe_index_k``'s ownership, a request's page ``p`` of 16
+    positions on rank ``p mod P``): each rank keeps and scores its own pages' keys, the merge
+    is exact, decoding is bit-identical to the resident reference, and the ranks' keys
+    partition the replicated ones (each within a page per request and group of ``1/P``)."""
+    geom = ModelGeometry.tiny(layout="fp8", layers_per_indexer=2)
+    cfg = tp_config(geom, P)
+    steps = 8
+    reports = run_ranks(P, lambda peers: run_equality(geom, cfg, PROMPTS, steps, peers=peers,
+                                                      index_page=16))
+    for rank, rep in enumerate(reports):
+        assert rep.identical, (rank, rep.mismatches[:5])
+        assert all(v > 0 for v in rep.moved_per_step["peer_fetches"])
+    full = reports[0].index_keys_full
+    assert sum(r.index_keys_held for r in reports) == full
+    slack = 16 * len(PROMPTS) * geom.n_groups
+    assert all(abs(r.index_keys_held * P - full) <= P * slack for r in reports)
+    assert max(r.index_keys_held for r in reports) < full  # no rank holds them all
+
+
 def test_tp8_threads_replicated_indexer_decode_equals_resident():
     """P = 8 (the mission's TP8), replicated indexer keys (``shard_indexer`` off)."""
     geom = ModelGeometry.tiny(layout="fp8", layers_per_indexer=2)

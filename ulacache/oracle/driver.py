@@ -217,7 +217,8 @@ def run_equality(geom: ModelGeometry, config: UlaCacheConfig, prompt_lens: list[
                  n_steps: int, seed: int = 0, peers=None,
                  prefill_chunk: int | None = None,
                  prefill_stage: int | None = None,
-                 prefetch: PrefetchConfig | None = None, draft_hint=None) -> EqualityReport:
+                 prefetch: PrefetchConfig | None = None, draft_hint=None,
+                 index_page: int = 1) -> EqualityReport:
     """Prefill ``len(prompt_lens)`` requests, decode ``n_steps`` greedy steps as one batch, with
     ulacache and fully resident; compare attention outputs, logits, top-k and chosen tokens.
 
@@ -228,7 +229,9 @@ def run_equality(geom: ModelGeometry, config: UlaCacheConfig, prompt_lens: list[
     ``prefetch``: decode steps prefetch what its sources predict (outputs must not change;
     ``report.moved_per_step["prefetches"]`` counts the rows); ``draft_hint(group, addrs)``:
     what a draft token's query would select, fed to the ``draft`` source (the model does not
-    speculate; see :class:`UlaCacheStore`).
+    speculate; see :class:`UlaCacheStore`). ``index_page``: TP with ``shard_indexer``, each
+    rank keeps the index keys of the positions in its pages of this many tokens (page ``p`` of
+    a request on rank ``p mod P``; 1: by token).
 
     Tokens are chosen by the resident run (greedy) and fed to both, so a divergence is reported
     at the step where it happens instead of cascading.
@@ -248,7 +251,8 @@ def run_equality(geom: ModelGeometry, config: UlaCacheConfig, prompt_lens: list[
                                    prefetch, draft_hint)
     if config.tp_size > 1 and config.shard_indexer:
         # each rank keeps 1/P of the index keys, scores them, merges the candidates
-        ula_model.index_shard = IndexShard(peers.rank, peers.size, peers.all_gather)
+        ula_model.index_shard = IndexShard(peers.rank, peers.size, peers.all_gather,
+                                           page=index_page)
     report = EqualityReport(requests=len(prompt_lens), gpu_slots=config.gpu_slots)
     reqs = list(range(len(prompt_lens)))
     tokens = []

@@ -317,12 +317,19 @@ def sparse_mla_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, latent: t
 
 class IndexShard(NamedTuple):
     """A TP rank's share of the indexer: it keeps the index keys of positions ``j`` with
-    ``j mod size == rank`` (1/P of the replicated keys), scores only those, and merges the
-    ranks' local top-k through ``all_gather`` (``Tensor -> Tensor [size, ...]``)."""
+    ``(j // page) mod size == rank`` (1/P of the replicated keys; ``page`` 1: by token, the
+    core's striping; ``page`` > 1: by page, as ``stripe_index_k`` stripes SGLang's index-K when
+    a request's pages cycle through the ranks), scores only those, and merges the ranks' local
+    top-k through ``all_gather`` (``Tensor -> Tensor [size, ...]``)."""
 
     rank: int
     size: int
     all_gather: Callable[[torch.Tensor], torch.Tensor]
+    page: int = 1
+
+    def owns(self, positions: torch.Tensor) -> torch.Tensor:
+        """Whether this rank keeps the keys of ``positions`` (bool, same shape)."""
+        return torch.remainder(positions // self.page, self.size) == self.rank
 
 
 @dataclass
@@ -490,7 +497,7 @@ class DSAMLAModel:
         for r in uniq:
             old = self._index_keys.get(r)
             if shard is not None:  # a TP rank keeps the keys of its own positions only
-                own = torch.remainder(positions[sel[r]], shard.size) == shard.rank
+                own = shard.owns(positions[sel[r]])
                 new_keys[r] = [k[own] for k in new_keys[r]]
             self._index_keys[r] = [k if old is None else torch.cat((old[i], k))
                                    for i, k in enumerate(new_keys[r])]
@@ -512,16 +519,17 @@ class DSAMLAModel:
         width = int(positions.max()) + 1
         group = len(new_keys[uniq[0]])
         shard = self.index_shard
-        # columns scored: every position, or a TP rank's own (j mod P == rank)
-        cols = torch.arange(width) if shard is None else \
-            torch.arange(shard.rank, width, shard.size)
+        # columns scored: every position, or a TP rank's own, ascending
+        cols = torch.arange(width)
+        if shard is not None:
+            cols = cols[shard.owns(cols)]
         scores = torch.full((n, cols.numel()), -math.inf)
         for r in uniq:
             m = sel[r]
             old = self._index_keys.get(r)
             fresh = k_new[m]
             if shard is not None:
-                fresh = fresh[torch.remainder(positions[m], shard.size) == shard.rank]
+                fresh = fresh[shard.owns(positions[m])]
             keys = fresh if old is None else torch.cat((old[group], fresh))
             new_keys[r].append(k_new[m])
             s = indexer_scores(q[m], wts[m], keys)
