@@ -5,7 +5,8 @@
 #
 # 1. pytest -m gpu (all GPU-marked tests: each kernel vs its reference per compile backend, the
 #    decode graph, the prefetch path captured and sync-free, stream order, CUDA IPC peers, TP
-#    mode in two processes on one GPU),
+#    mode in two processes on one GPU, DeepGEMM's paged MQA logits over striped index-K's
+#    per-rank tables),
 # 2. bench/bandwidth.py --json --sweep (ceilings and every kernel at 656/1152 B x 2K/16K/131K,
 #    and the duplex factor (H2D + D2H) / swap that bench/decode_sweep.py --duplex-factor takes),
 # 3. bench/access_bench.py --quick (fused access vs the torch path: launches, identical
