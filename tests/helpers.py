@@ -223,3 +223,52 @@ def logged_decode_step(geom, cfg, prefetch):
     log.clear()
     model.decode_step([0, 1], torch.tensor([1, 2]), store)
     return store, log
+
+
+def sglang_tp_ranks_init(rank: int, size: int, port: int) -> None:
+    """SGLang's distributed set-up for TP rank ``rank`` of ``size`` spawned CPU processes, as
+    a launch does it: args published with ``--tp size``, the world over gloo on ``port``, the
+    model-parallel groups without pynccl or custom all-reduce (CUDA only)."""
+    from sglang.srt.distributed import parallel_state as ps
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.server_args import prepare_server_args
+
+    sa = prepare_server_args(["--model-path", "dummy", "--device", "cpu", "--tp", str(size)])
+    publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=rank, dp_rank=None, gpu_id=rank))
+    ps.init_distributed_environment(world_size=size, rank=rank, local_rank=rank,
+                                    backend="gloo", timeout=120,
+                                    distributed_init_method=f"tcp://127.0.0.1:{port}")
+    orig = ps.init_model_parallel_group
+    ps.init_model_parallel_group = lambda *a, **kw: orig(
+        *a, **{**kw, "use_pynccl": False, "use_custom_allreduce": False})
+    ps.initialize_model_parallel(backend="gloo")  # TP size from the published args
+
+
+def spawn_ranks(target, size: int, out_dir, timeout_s: float, *extra) -> list[dict]:
+    """Run ``target(rank, port, out_dir, *extra)`` in ``size`` spawned processes (ranks
+    ``0..size-1`` of one gloo world on a free port), each writing ``out_dir/rank{r}.json``;
+    return the ranks' JSON results, failing with every rank's reported ``error``."""
+    import json
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(r, port, str(out_dir), *extra))
+             for r in range(size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout_s)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    results = []
+    for r in range(size):
+        f = Path(out_dir) / f"rank{r}.json"
+        results.append(json.loads(f.read_text()) if f.exists() else {"error": "no result"})
+    errors = [(r, res["error"]) for r, res in enumerate(results) if "error" in res]
+    assert not errors, "\n".join(f"rank {r}:\n{e}" for r, e in errors)
+    return results

@@ -26,14 +26,20 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import traceback
 import types
 
 import pytest
 import torch
 
-from .helpers import sglang_alloc_decode, sglang_alloc_verify, sglang_topk, sglang_verify_topk
+from .helpers import (
+    sglang_alloc_decode,
+    sglang_alloc_verify,
+    sglang_topk,
+    sglang_tp_ranks_init,
+    sglang_verify_topk,
+    spawn_ranks,
+)
 
 sglang = pytest.importorskip("sglang")
 pytestmark = pytest.mark.sglang
@@ -427,20 +433,7 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     path = os.path.join(out_dir, f"rank{rank}.json")
     try:
-        from sglang.srt.distributed import parallel_state as ps
-        from sglang.srt.runtime_context import SpawnRanks, publish
-        from sglang.srt.server_args import prepare_server_args
-
-        sa = prepare_server_args(["--model-path", "dummy", "--device", "cpu", "--tp", str(P)])
-        publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=rank, dp_rank=None,
-                                                       gpu_id=rank))
-        ps.init_distributed_environment(world_size=P, rank=rank, local_rank=rank,
-                                        backend="gloo", timeout=120,
-                                        distributed_init_method=f"tcp://127.0.0.1:{port}")
-        orig = ps.init_model_parallel_group
-        ps.init_model_parallel_group = lambda *a, **kw: orig(
-            *a, **{**kw, "use_pynccl": False, "use_custom_allreduce": False})
-        ps.initialize_model_parallel(backend="gloo")
+        sglang_tp_ranks_init(rank, P, port)
         results = {name: fn(rank) for name, fn in SCENARIOS.items()}
     except BaseException:  # noqa: BLE001 - reported to the parent
         results = {"error": traceback.format_exc()}
@@ -451,28 +444,7 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    import multiprocessing as mp
-
-    out = tmp_path_factory.mktemp("ula_sgl_tp")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, args=(r, port, str(out))) for r in range(P)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(TIMEOUT_S)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    results = []
-    for r in range(P):
-        f = out / f"rank{r}.json"
-        results.append(json.loads(f.read_text()) if f.exists() else {"error": "no result"})
-    errors = [(r, res["error"]) for r, res in enumerate(results) if "error" in res]
-    assert not errors, "\n".join(f"rank {r}:\n{e}" for r, e in errors)
-    return results
+    return spawn_ranks(_rank_main, P, tmp_path_factory.mktemp("ula_sgl_tp"), TIMEOUT_S)
 
 
 def test_rows_hold_the_written_bytes_per_layer_groups(ranks):

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import traceback
 import types
 
 import pytest
 import torch
+
+from .helpers import sglang_tp_ranks_init, spawn_ranks
 
 pytest.importorskip("sglang")
 pytestmark = pytest.mark.sglang
@@ -257,27 +258,14 @@ def _replicated_logits(ref, layer, q, w, lengths, real):
                                       real.shape[1] * PAGE, clean_logits=False)
 
 
-def _rank_main(rank: int, P: int, port: int, out_dir: str) -> None:
+def _rank_main(rank: int, port: int, out_dir: str, P: int) -> None:
     os.environ["SGLANG_DSA_TOPK_BROADCAST"] = "1"
     os.environ["SGLANG_FP8_PAGED_MQA_LOGITS_TORCH"] = "1"
     os.environ["TRITON_INTERPRET"] = "1"
     torch.set_num_threads(1)
     path = os.path.join(out_dir, f"rank{rank}.json")
     try:
-        from sglang.srt.distributed import parallel_state as ps
-        from sglang.srt.runtime_context import SpawnRanks, publish
-        from sglang.srt.server_args import prepare_server_args
-
-        sa = prepare_server_args(["--model-path", "dummy", "--device", "cpu", "--tp", str(P)])
-        publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=rank, dp_rank=None,
-                                                       gpu_id=rank))
-        ps.init_distributed_environment(world_size=P, rank=rank, local_rank=rank,
-                                        backend="gloo", timeout=120,
-                                        distributed_init_method=f"tcp://127.0.0.1:{port}")
-        orig = ps.init_model_parallel_group
-        ps.init_model_parallel_group = lambda *a, **kw: orig(
-            *a, **{**kw, "use_pynccl": False, "use_custom_allreduce": False})
-        ps.initialize_model_parallel(backend="gloo")  # TP size from the published args
+        sglang_tp_ranks_init(rank, P, port)
         results = scenario(rank, P)
     except BaseException:  # noqa: BLE001 - reported to the parent
         results = {"error": traceback.format_exc()}
@@ -288,29 +276,9 @@ def _rank_main(rank: int, P: int, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module", params=[2, 4])
 def ranks(request, tmp_path_factory):
-    import multiprocessing as mp
-
     P = request.param
     out = tmp_path_factory.mktemp(f"ula_stripe_{P}")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, args=(r, P, port, str(out))) for r in range(P)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(TIMEOUT_S)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    results = []
-    for r in range(P):
-        f = out / f"rank{r}.json"
-        results.append(json.loads(f.read_text()) if f.exists() else {"error": "no result"})
-    errors = [(r, res["error"]) for r, res in enumerate(results) if "error" in res]
-    assert not errors, "\n".join(f"rank {r}:\n{e}" for r, e in errors)
-    return P, results
+    return P, spawn_ranks(_rank_main, P, out, TIMEOUT_S, P)
 
 
 def test_each_rank_stores_one_pth_of_index_k(ranks):
