@@ -143,17 +143,25 @@ if triton is not None:
     WAS_ON_CPU = tl.constexpr(-2)  # ulacache.group.WAS_ON_CPU; BORN is -1
     RECENT = tl.constexpr(2)  # ulacache.group.RECLAIM_RECENT_ROUNDS
     INVALID_ROW = tl.constexpr(-2)  # ulacache.tp.INVALID_ROW: a TP owner's "not stored"
-    NO_CLAIM = tl.constexpr(2**63 - 1)
-    FREE = tl.constexpr(-(2**62))
+    NO_CLAIM = tl.constexpr(2**31 - 1)  # ulacache.group.NO_CLAIM: claim tables are int32
     COLD_AGE = tl.constexpr(2)  # ulacache.pblru.COLD_ROUND_AGE
+    ROUND_MOD = tl.constexpr(2**16)  # ulacache.pblru.ROUND_MODULUS: round_of is int16
 
     @triton.jit
-    def bucket_row_of(round_of, epoch_of, round_t, epoch_t, NB: tl.constexpr):
-        """PBLRU._row_of: free 0 | current NB + 2 | cold 1 | recent 2 + epoch % NB."""
-        recent = 2 + epoch_of % NB  # epochs of used slots are >= 0; free is overridden below
-        row = tl.where(epoch_t - epoch_of >= NB, 1, recent)
-        row = tl.where(round_of == round_t, NB + 2, row)
-        return tl.where(round_of == FREE, 0, row)
+    def bucket_row_of(bits, ring_of, slot, mask, W1, NB: tl.constexpr):
+        """PBLRU._row_of of distinct ``slot`` where ``mask``: free 0 | current NB + 2 | cold 1
+        by the rows' bits, else the ring row 2 + ``ring_of``. Other lanes may move other bits
+        of the same words meanwhile (atomics, no carries): a slot's own bit only its lane
+        moves, so the plain loads read it right."""
+        word = slot // 63
+        bit = tl.full(slot.shape, 1, tl.int64) << (slot - word * 63)
+        free = (tl.load(bits + word, mask=mask, other=0) & bit) != 0
+        cold = (tl.load(bits + W1 + word, mask=mask, other=0) & bit) != 0
+        cur = (tl.load(bits + (NB + 2) * W1 + word, mask=mask, other=0) & bit) != 0
+        row = 2 + tl.load(ring_of + slot, mask=mask, other=0).to(tl.int64)
+        row = tl.where(cold, 1, row)
+        row = tl.where(cur, NB + 2, row)
+        return tl.where(free, 0, row)
 
     @triton.jit
     def move_slots(bits, counts, supc, hypc, rowc, slot, src, dst, mask, W1, S1, H1,
@@ -181,15 +189,14 @@ if triton is not None:
         tl.atomic_add(rowc + dst * 2, one, mask=mask, sem="relaxed")
 
     @triton.jit
-    def touch_slots(bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr, epoch_ptr,
+    def touch_slots(bits, counts, supc, hypc, rowc, round_of, ring_of, round_ptr, epoch_ptr,
                entered, slot, mask, W1, S1, H1, NB: tl.constexpr, HY: tl.constexpr,
                ASSIGNED: tl.constexpr):
         """PBLRU.touch / assign of distinct ``slot`` where ``mask``."""
         slot = tl.where(mask, slot, 0)
         round_t = tl.load(round_ptr)
         epoch_t = tl.load(epoch_ptr)
-        old = bucket_row_of(tl.load(round_of + slot, mask=mask, other=0),
-                      tl.load(epoch_of + slot, mask=mask, other=0), round_t, epoch_t, NB)
+        old = bucket_row_of(bits, ring_of, slot, mask, W1, NB)
         move = mask & (old != NB + 2)
         move_slots(bits, counts, supc, hypc, rowc, slot, old, NB + 2, move, W1, S1, H1, HY)
         if ASSIGNED:
@@ -197,23 +204,22 @@ if triton is not None:
         else:
             turned = move & (old <= 1)
         tl.atomic_add(entered, tl.sum(turned.to(tl.int64)), sem="relaxed")
-        tl.store(round_of + slot, tl.zeros_like(slot) + round_t, mask=move)
-        tl.store(epoch_of + slot, tl.zeros_like(slot) + epoch_t, mask=move)
+        # truncating casts: the round modulo 2**16, the ring row (< NB <= 2**15) exactly
+        tl.store(round_of + slot, (tl.zeros_like(slot) + round_t).to(tl.int16), mask=move)
+        tl.store(ring_of + slot, (tl.zeros_like(slot) + epoch_t % NB).to(tl.int16), mask=move)
 
     @triton.jit
-    def admit_slots(bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr, epoch_ptr,
+    def admit_slots(bits, counts, supc, hypc, rowc, round_of, ring_of, round_ptr, epoch_ptr,
                     slot, mask, W1, S1, H1, NB: tl.constexpr, HY: tl.constexpr):
-        """PBLRU.admit of distinct ``slot`` where ``mask``: into the cold row (1), stamps an
-        epoch ``NB`` and a round ``COLD_AGE`` behind; pinned slots stay."""
+        """PBLRU.admit of distinct ``slot`` where ``mask``: into the cold row (1), stamped a
+        round ``COLD_AGE`` behind; pinned slots stay."""
         slot = tl.where(mask, slot, 0)
         round_t = tl.load(round_ptr)
-        epoch_t = tl.load(epoch_ptr)
-        old = bucket_row_of(tl.load(round_of + slot, mask=mask, other=0),
-                            tl.load(epoch_of + slot, mask=mask, other=0), round_t, epoch_t, NB)
+        old = bucket_row_of(bits, ring_of, slot, mask, W1, NB)
         move = mask & (old != 1) & (old != NB + 2)
         move_slots(bits, counts, supc, hypc, rowc, slot, old, 1, move, W1, S1, H1, HY)
-        tl.store(round_of + slot, tl.zeros_like(slot) + round_t - COLD_AGE, mask=move)
-        tl.store(epoch_of + slot, tl.zeros_like(slot) + epoch_t - NB, mask=move)
+        tl.store(round_of + slot, (tl.zeros_like(slot) + round_t - COLD_AGE).to(tl.int16),
+                 mask=move)
 
     @triton.jit
     def claim_in_range(addrs, claim, n, N, BLOCK: tl.constexpr):
@@ -223,7 +229,7 @@ if triton is not None:
         live = i < n
         a = tl.load(addrs + i, mask=live, other=-1).to(tl.int64)
         inrange = live & (a >= 0) & (a < N)
-        tl.atomic_min(claim + tl.where(inrange, a, N), i.to(tl.int64), mask=inrange,
+        tl.atomic_min(claim + tl.where(inrange, a, N), i.to(tl.int32), mask=inrange,
                       sem="relaxed")
 
     @triton.jit
@@ -267,7 +273,7 @@ if triton is not None:
             st = keep.to(tl.int32)
             if TPP > 1:  # K4 writes the owner's "not stored" verdict for the peers' table
                 st = st | tl.where(bad, INVALID, 0)
-        tl.atomic_min(claim + safe, i.to(tl.int64), mask=keep, sem="relaxed")
+        tl.atomic_min(claim + safe, i.to(tl.int32), mask=keep, sem="relaxed")
         tl.store(local + i, a, mask=live)
         tl.store(phys_out + i, phys, mask=live)
         tl.store(status + i, st, mask=live)
@@ -275,7 +281,7 @@ if triton is not None:
     @triton.jit
     def _k2_first_touch(local, claim, phys_in, status, block_want, block_took, block_back,
                         victim_out, counters,
-                        bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr,
+                        bits, counts, supc, hypc, rowc, round_of, ring_of, round_ptr,
                         epoch_ptr, entered, n, N, G, W1, S1, H1,
                         PLACE: tl.constexpr, NB: tl.constexpr, HY: tl.constexpr,
                         BLOCK: tl.constexpr, PREFETCH: tl.constexpr = False):
@@ -289,7 +295,7 @@ if triton is not None:
         first = keep & (tl.load(claim + safe, mask=keep, other=-1) == i)
         # Only the first occurrence resets its claim; a duplicate reading either value is not
         # first (neither equals its own position).
-        tl.store(claim + safe, tl.full(safe.shape, NO_CLAIM, tl.int64), mask=first)
+        tl.store(claim + safe, tl.full(safe.shape, NO_CLAIM, tl.int32), mask=first)
         if PLACE:
             want = first
             bad = live & (a != -1) & ~first
@@ -300,7 +306,7 @@ if triton is not None:
             phys = tl.load(phys_in + i, mask=live, other=-1)
             hit = first & (phys < G)
             want = first & (phys >= G)
-            touch_slots(bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr, epoch_ptr,
+            touch_slots(bits, counts, supc, hypc, rowc, round_of, ring_of, round_ptr, epoch_ptr,
                    entered, phys, hit, W1, S1, H1, NB, HY, False)
             tl.atomic_add(counters + C_ACCESSES, tl.sum(first.to(tl.int64)), sem="relaxed")
             tl.atomic_add(counters + C_HITS, tl.sum(hit.to(tl.int64)), sem="relaxed")
@@ -509,7 +515,7 @@ if triton is not None:
     @triton.jit
     def _k4_assign_translate(local, status, victim_in, out, loc, cpu_top, cpu_free, popped_in,
                              block_took, block_back, top_saved,
-                             bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr,
+                             bits, counts, supc, hypc, rowc, round_of, ring_of, round_ptr,
                              epoch_ptr, entered, n, N, G, W1, S1, H1, row_base, n_blocks,
                              PLACE: tl.constexpr, SHADOWS: tl.constexpr, NB: tl.constexpr,
                              HY: tl.constexpr, BP: tl.constexpr, BLOCK: tl.constexpr,
@@ -519,11 +525,11 @@ if triton is not None:
         live = i < n
         victim = tl.load(victim_in + i, mask=live, other=-1)
         if PREFETCH:
-            admit_slots(bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr,
+            admit_slots(bits, counts, supc, hypc, rowc, round_of, ring_of, round_ptr,
                         epoch_ptr, victim, victim >= 0, W1, S1, H1, NB, HY)
             tl.atomic_add(budget, -tl.sum((victim >= 0).to(tl.int64)), sem="relaxed")
         else:
-            touch_slots(bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr,
+            touch_slots(bits, counts, supc, hypc, rowc, round_of, ring_of, round_ptr,
                         epoch_ptr, entered, victim, victim >= 0, W1, S1, H1, NB, HY, True)
         st = tl.load(status + i, mask=live, other=0)
         if PLACE or SHADOWS:
@@ -569,7 +575,7 @@ if triton is not None:
         top = tl.load(cpu_top)
         short = tl.maximum(need - top, 0)
         start = tl.load(cursor)
-        since = tl.load(round_t) - (RECENT - 1)
+        now = tl.load(round_t)
         taken = tl.sum(tl.zeros([BLOCK], tl.int64))
         last = taken - 1
         for second in tl.static_range(2):
@@ -578,7 +584,9 @@ if triton is not None:
                 j = j0 + tl.arange(0, BLOCK).to(tl.int64)
                 inr = j < G
                 slot = (start + j) % G
-                older = tl.load(round_of + slot, mask=inr, other=0) < since
+                # PBLRU.round_age: the int16 stamp's age modulo 2**16
+                age = (now - tl.load(round_of + slot, mask=inr, other=0).to(tl.int64)) & (ROUND_MOD - 1)
+                older = age >= RECENT
                 want = (inr & older) if second == 1 else (inr & ~older)
                 had = tl.load(shadow + slot, mask=want, other=-1).to(tl.int64)
                 live = want & (had >= 0)
@@ -763,7 +771,7 @@ class FusedAccess:
         grid = (-(-n // self.BLOCK),)
         N, G, C = g.n_logical, g.gpu_slots, g.cpu_slots
         pol = self._policy_args()
-        stamps = (p.round_of, p.epoch_of, p.round_t, p.epoch_t, p.entered)
+        stamps = (p.round_of, p.ring_of, p.round_t, p.epoch_t, p.entered)
         mode = dict(PLACE=place, BLOCK=self.BLOCK)
         if prefetch_budget is not None:  # the variant exists only where it is used
             mode["PREFETCH"] = True
@@ -854,7 +862,7 @@ def equivalence_state(group, pools: bool = True) -> dict[str, torch.Tensor]:
         "bits": p.bits[:, : p.n_words], "counts": p.counts[:, : p.n_words],
         "super_counts": p.super_counts[:, : p.n_super],
         "hyper_counts": p.hyper_counts[:, : p.n_hyper], "row_counts": p.row_counts[:, 0],
-        "round_of": p.round_of[:G], "epoch_of": p.epoch_of[:G], "round_t": p.round_t,
+        "round_of": p.round_of[:G], "ring_of": p.ring_of[:G], "round_t": p.round_t,
         "epoch_t": p.epoch_t, "entered": p.entered,
     }
     if pools:

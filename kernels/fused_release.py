@@ -33,7 +33,7 @@ LAUNCHES_PER_RELEASE = 3
 if triton is not None:
     import triton.language as tl
 
-    from .fused_access import FREE, NO_CLAIM, bucket_row_of, claim_in_range, move_slots
+    from .fused_access import NO_CLAIM, bucket_row_of, claim_in_range, move_slots
 
     C_INVALID = tl.constexpr(COUNTER_COLUMNS["invalid"])
     C_RELEASED_GPU = tl.constexpr(COUNTER_COLUMNS["released_gpu"])
@@ -42,7 +42,7 @@ if triton is not None:
 
     @triton.jit
     def _r2_drop(addrs, claim, loc, gpu_owner, shadow, cslot_out, block_push, cpu_top,
-                 top0, counters, bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr,
+                 top0, counters, bits, counts, supc, hypc, rowc, round_of, ring_of, round_ptr,
                  epoch_ptr, n, N, G, C, W1, S1, H1, NB: tl.constexpr, HY: tl.constexpr,
                  BLOCK: tl.constexpr):
         pid = tl.program_id(0)
@@ -52,7 +52,7 @@ if triton is not None:
         inrange = live & (a >= 0) & (a < N)
         safe = tl.where(inrange, a, N)
         first = inrange & (tl.load(claim + safe, mask=inrange, other=-1) == i)
-        tl.store(claim + safe, tl.full(safe.shape, NO_CLAIM, tl.int64), mask=first)
+        tl.store(claim + safe, tl.full(safe.shape, NO_CLAIM, tl.int32), mask=first)
         bad = (live & (a != -1) & ~inrange) | (inrange & ~first)
         phys = tl.load(loc + safe, mask=first, other=-1).to(tl.int64)  # int32 mapping
         drop = first & (phys >= 0)
@@ -70,13 +70,10 @@ if triton is not None:
                  mask=on_gpu)
         # PBLRU.release: a used slot's bit moves to the free row, its stamps become free
         slot = tl.where(on_gpu, phys, 0)
-        old = bucket_row_of(tl.load(round_of + slot, mask=on_gpu, other=0),
-                      tl.load(epoch_of + slot, mask=on_gpu, other=0), tl.load(round_ptr),
-                      tl.load(epoch_ptr), NB)
+        old = bucket_row_of(bits, ring_of, slot, on_gpu, W1, NB)
         move = on_gpu & (old != 0)
+        # a free slot's stamps are never read: only its bit moves
         move_slots(bits, counts, supc, hypc, rowc, slot, old, 0, move, W1, S1, H1, HY)
-        tl.store(round_of + slot, tl.full(slot.shape, FREE, tl.int64), mask=move)
-        tl.store(epoch_of + slot, tl.full(slot.shape, FREE, tl.int64), mask=move)
         tl.store(cslot_out + i, cslot, mask=live)
         tl.store(block_push + pid, tl.sum(push.to(tl.int32)))
         if pid == 0:  # R3 places pushes from this snapshot while it moves the pointer
@@ -136,7 +133,7 @@ class FusedRelease:
         launch(claim_in_range, grid, addrs, g.claim, n, N, BLOCK=self.BLOCK)
         launch(_r2_drop, grid, addrs, g.claim, g.loc, g.gpu_owner, g.shadow, cslot,
                block_push, g.cpu_top, self._top0, g.counters, p.bits, p.counts,
-               p.super_counts, p.hyper_counts, p.row_counts, p.round_of, p.epoch_of,
+               p.super_counts, p.hyper_counts, p.row_counts, p.round_of, p.ring_of,
                p.round_t, p.epoch_t, n, N, G, C, self.w1, self.s1, self.h1,
                NB=p.n_buckets, HY=p.hyper, BLOCK=self.BLOCK)
         launch(_r3_push, grid, cslot, block_push, g.cpu_free, g.cpu_top,

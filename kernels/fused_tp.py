@@ -56,7 +56,7 @@ if fa.triton is not None:
     @triton.jit
     def _g2_first_hits(addrs, claim, table, slot_of, status, block_want, victim_out, src_rank,
                        src_slot, dst_row, counters, dp_counters,
-                       bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr, epoch_ptr,
+                       bits, counts, supc, hypc, rowc, round_of, ring_of, round_ptr, epoch_ptr,
                        entered, n, N, P, RANK, W1, S1, H1,
                        NB: tl.constexpr, HY: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
@@ -66,13 +66,13 @@ if fa.triton is not None:
         inrange = live & (a >= 0) & (a < N)
         safe = tl.where(inrange, a, N)
         first = inrange & (tl.load(claim + safe, mask=inrange, other=-1) == i)
-        tl.store(claim + safe, tl.full(safe.shape, NO_CLAIM, tl.int64), mask=first)
+        tl.store(claim + safe, tl.full(safe.shape, NO_CLAIM, tl.int32), mask=first)
         owner = tl.where(inrange, a % P, 0)
         mine = inrange & (owner == RANK)
         theirs = inrange & ~mine
         bslot = tl.load(slot_of + safe, mask=theirs, other=-1).to(tl.int64)
         hit = theirs & (bslot >= 0)
-        touch_slots(bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr, epoch_ptr,
+        touch_slots(bits, counts, supc, hypc, rowc, round_of, ring_of, round_ptr, epoch_ptr,
                entered, bslot, first & hit, W1, S1, H1, NB, HY, False)
         oslot = tl.load(table + owner * n + i, mask=theirs, other=-1)
         want = first & theirs & ~hit & (oslot >= 0)
@@ -138,13 +138,13 @@ if fa.triton is not None:
 
     @triton.jit
     def _g4_assign_rows(addrs, own, victim_in, out, slot_of,
-                        bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr,
+                        bits, counts, supc, hypc, rowc, round_of, ring_of, round_ptr,
                         epoch_ptr, entered, n, N, G, P, RANK, W1, S1, H1, row_base,
                         NB: tl.constexpr, HY: tl.constexpr, BLOCK: tl.constexpr):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         live = i < n
         victim = tl.load(victim_in + i, mask=live, other=-1)
-        touch_slots(bits, counts, supc, hypc, rowc, round_of, epoch_of, round_ptr, epoch_ptr,
+        touch_slots(bits, counts, supc, hypc, rowc, round_of, ring_of, round_ptr, epoch_ptr,
                entered, victim, victim >= 0, W1, S1, H1, NB, HY, True)
         a = tl.load(addrs + i, mask=live, other=-1).to(tl.int64)
         inrange = live & (a >= 0) & (a < N)
@@ -207,7 +207,7 @@ class FusedGates:
             return tuple(plan)
         grid = (-(-n // self.BLOCK),)
         pol = (p.bits, p.counts, p.super_counts, p.hyper_counts, p.row_counts)
-        stamps = (p.round_of, p.epoch_of, p.round_t, p.epoch_t, p.entered)
+        stamps = (p.round_of, p.ring_of, p.round_t, p.epoch_t, p.entered)
         N = b.n_logical
         fa.launch(_g2_first_hits, grid, addrs, b.claim_table, table, b.slot_of, status, block_want,
                    victim, *plan, counters, dp_counters, *pol, *stamps, n, N, self.P,

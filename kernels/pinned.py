@@ -24,7 +24,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["pinned_empty", "is_registered", "registered_bytes"]
+__all__ = ["pinned_empty", "is_registered", "registered_bytes", "device_view"]
 
 _lock = threading.Lock()
 _regions: dict[int, int] = {}  # start address -> nbytes, registered and alive
@@ -115,3 +115,38 @@ def registered_bytes() -> int:
     """Total bytes currently registered by :func:`pinned_empty` (all live regions)."""
     with _lock:
         return sum(_regions.values())
+
+
+_TYPESTR = {torch.uint8: "|u1", torch.int16: "<i2", torch.int32: "<i4", torch.int64: "<i8",
+            torch.float32: "<f4"}
+
+
+class _HostArray:
+    """A registered host tensor presented as CUDA memory (``__cuda_array_interface__`` v3):
+    under UVA its host pointer is also a device pointer. Holds the host tensor, so the memory
+    outlives every device view built from it."""
+
+    def __init__(self, host: torch.Tensor):
+        self.host = host
+        self.__cuda_array_interface__ = {
+            "shape": tuple(host.shape), "typestr": _TYPESTR[host.dtype],
+            "data": (host.data_ptr(), False), "version": 3,
+            "strides": tuple(s * host.element_size() for s in host.stride())}
+
+
+def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` as a tensor on ``device`` without a copy. CUDA: ``host`` must come from
+    :func:`pinned_empty` (registered: kernels and torch ops on the view read and write host
+    memory over the bus, zero-copy); the view keeps ``host`` alive. Any other device:
+    ``host`` itself, which must already be there (CPU, or ``meta`` for ``ulacache
+    rehearse``)."""
+    if device.type != "cuda":
+        if host.device != device:
+            raise ValueError(f"device_view: a {host.device} tensor cannot stand for {device}")
+        return host
+    if not is_registered(host):
+        raise ValueError("device_view needs a registered host tensor (pinned_empty)")
+    view = torch.as_tensor(_HostArray(host), device=device)
+    if view.data_ptr() != host.data_ptr():  # a copy would silently split the two
+        raise RuntimeError("device_view: torch copied the host array instead of aliasing it")
+    return view

@@ -111,7 +111,7 @@ def test_ulacache_against_hisparse_and_sharded_keys_beat_replicated(model, layou
 
 def test_ulacache_dp_charge_is_the_sizing_hooks():
     """DeepSeek-V3.2 FP8, cpu_ratio 4 (docs/sglang.md's example): SGLang's cell 80,276 B
-    (61 x (656 + 5 x 132)) + ulacache's tables and fused call scratch 4,524 B per GPU slot, the
+    (61 x (656 + 5 x 132)) + ulacache's tables and fused call scratch 2,796 B per GPU slot, the
     formula's own figure;
     fixed: the tables' fixed bytes + the tail page (64 rows per layer) + the coordinator's
     output rows for 64 running requests + the padding row (61 groups x 65 x 2048 x 4 B + 65 x
@@ -121,18 +121,18 @@ def test_ulacache_dp_charge_is_the_sizing_hooks():
 
     inp = inputs("dsv32", "fp8", host_gb=10**6)
     per, fixed = table_bytes_per_slot(61, ratio=5, page_size=64, n_buckets=64, policy="pblru")
-    assert (inp.groups, per) == (61, 4524)
+    assert (inp.groups, per) == (61, 2796)
     cell, fix = cap.ulacache_dp_charge(inp, 4)
-    assert cell == 61 * (656 + 5 * 132) + per == 80276 + 4524
+    assert cell == 61 * (656 + 5 * 132) + per == 80276 + 2796
     # + the prefill stage: 163,840 context rows + sink page + scratch, in whole pages
     assert inp.stage_bytes == 163968 * 656
     assert fix == fixed + 64 * 61 * 656 + 32481800 + 163968 * 656
     assert cap.ulacache_dp_charge(inp, 4, staged=False) == (cell, fix - 163968 * 656)
     assert cap.ulacache_dp_pool(inp, 4) == (inp.kv_bytes - fix) // cell // 64 * 64
-    # the tables' per-slot cost grows with the ratio (mapping, claim table, CPU free stack)
+    # the tables' per-slot cost grows with the ratio (mapping, claim table)
     cells = [cap.ulacache_dp_charge(inp, c)[0] - 61 * (656 + 132 * (1 + c)) for c in range(6)]
     assert cells == sorted(cells) and len(set(cells)) == 6
-    assert cap.ulacache_dp_charge(inputs(), 4)[0] - 78 * (656 + 5 * 132) == 5765  # GLM-5
+    assert cap.ulacache_dp_charge(inputs(), 4)[0] - 78 * (656 + 5 * 132) == 3561  # GLM-5
 
 
 def test_ulacache_tp_charge_is_the_sizing_hooks():
@@ -148,7 +148,7 @@ def test_ulacache_tp_charge_is_the_sizing_hooks():
                                       tp_size=8, buffer_slots=B, layers=61)
     cell, fix = cap.ulacache_tp_charge(inp, 4, B)
     assert cell == -(-61 * 656 // 8) + 5 * 61 * 132 + per
-    assert cell - per == 45262 and per == 2102  # docs/sglang.md's DeepSeek-V3.2 TP8 example
+    assert cell - per == 45262 and per == 1866  # docs/sglang.md's DeepSeek-V3.2 TP8 example
     assert fix == fixed + (B + 128) * 61 * 656 + 32481800
     shard_cell, shard_fix = cap.ulacache_tp_charge(inp, 4, B, shard_index=True)
     # striped (stripe_index_k): index-K / P per token, three pages per indexer layer fixed
@@ -205,7 +205,7 @@ def test_output_rows_are_charged_per_selection_group():
     pt = cap.capacity(big, "ulacache_dp")
     step = big.top_k + 1
     assert pt.running < 64 and pt.running * step <= pt.pool < (pt.running + 1) * step
-    huge = cap.capacity(inputs(kv_gb=27, host_gb=128, running=4096), "ulacache_dp_whole")
+    huge = cap.capacity(inputs(kv_gb=40, host_gb=128, running=4096), "ulacache_dp_whole")
     assert 64 < huge.running < 4096 and huge.running * step <= huge.pool
 
 

@@ -40,7 +40,7 @@ def snapshot(space: TPAddressSpace) -> dict[str, torch.Tensor]:
                     f"b{gi}.bits": p.bits[:, : p.n_words].clone(),
                     f"b{gi}.rows": p.row_counts[:, 0].clone(),
                     f"b{gi}.hyper": p.hyper_counts[:, : p.n_hyper].clone(),
-                    f"b{gi}.round_of": p.round_of.clone(), f"b{gi}.epoch_of": p.epoch_of.clone(),
+                    f"b{gi}.round_of": p.round_of.clone(), f"b{gi}.ring_of": p.ring_of.clone(),
                     f"b{gi}.entered": p.entered.clone(), f"b{gi}.claim": b.claim_table.clone(),
                     f"b{gi}.epoch_t": p.epoch_t.clone(), f"b{gi}.round_t": p.round_t.clone(),
                     f"b{gi}.counts": p.counts[:, : p.n_words].clone(),

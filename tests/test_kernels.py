@@ -214,6 +214,23 @@ def test_pinned_unregistered_fallback_and_dtypes():
     assert pinned.pinned_empty((0, 4)).numel() == 0
 
 
+def test_device_view_off_cuda_is_the_host_tensor_and_refuses_misuse():
+    """Off CUDA the view is the tensor itself (the CPU free stacks of a CPU or meta space); a
+    tensor on another device, or unregistered memory for CUDA, is refused (a silent copy would
+    split the kernels' stack from the host's)."""
+    t = pinned.pinned_empty((9,), torch.int32, register=False)
+    assert pinned.device_view(t, torch.device("cpu")) is t
+    m = torch.empty(4, device="meta")
+    assert pinned.device_view(m, torch.device("meta")) is m
+    with pytest.raises(ValueError, match="cannot stand for"):
+        pinned.device_view(t, torch.device("meta"))
+    with pytest.raises(ValueError, match="registered"):
+        pinned.device_view(t, torch.device("cuda"))
+    arr = pinned._HostArray(torch.arange(12, dtype=torch.int32).view(3, 4)[:, 1:])
+    face = arr.__cuda_array_interface__
+    assert face["shape"] == (3, 3) and face["typestr"] == "<i4" and face["strides"] == (16, 4)
+
+
 # ---------------------------------------------------------------------------------------------
 # launcher checks (CPU: device checks patched so validation runs without a GPU)
 # ---------------------------------------------------------------------------------------------
@@ -673,3 +690,22 @@ def test_gpu_pinned_exact_size():
     del t
     gc.collect()
     assert pinned.registered_bytes() == before
+
+
+@gpu
+@needs_cuda
+def test_gpu_device_view_aliases_host_memory():
+    """A CUDA view of a pinned host tensor (the CPU free stacks): device writes land in host
+    memory and host writes are seen by the device, no copy; the view keeps the memory alive."""
+    host = pinned.pinned_empty((1001,), torch.int32)
+    host.copy_(torch.arange(1001, dtype=torch.int32))
+    view = pinned.device_view(host, torch.device("cuda", torch.cuda.current_device()))
+    assert view.is_cuda and view.data_ptr() == host.data_ptr()
+    view[::2] = -view[::2]
+    torch.cuda.synchronize()
+    assert int(host[10]) == -10 and int(host[11]) == 11
+    host[3] = 77
+    assert int(view[3].item()) == 77
+    del host
+    gc.collect()
+    assert int(view.sum().item()) != 0  # still mapped: the view holds the host tensor

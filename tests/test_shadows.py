@@ -20,7 +20,7 @@ from tests.fused_helpers import TwinDriver, assert_same, make_twins
 from ulacache.group import BORN, COUNTERS, SelectionGroup, live_shadows, occupancy
 from ulacache.kernels import fused_access
 
-GPU_SIDE = ("loc_gpu", "gpu_owner", "bits", "counts", "round_of", "epoch_of", "gpu_pool")
+GPU_SIDE = ("loc_gpu", "gpu_owner", "bits", "counts", "round_of", "ring_of", "gpu_pool")
 
 
 def gpu_side(g: SelectionGroup) -> dict[str, torch.Tensor]:
@@ -29,7 +29,7 @@ def gpu_side(g: SelectionGroup) -> dict[str, torch.Tensor]:
     loc = g.loc[: g.n_logical]
     return {"loc_gpu": torch.where(loc < G, loc, -3), "gpu_owner": g.gpu_owner[:G],
             "bits": p.bits, "counts": p.counts, "round_of": p.round_of[:G],
-            "epoch_of": p.epoch_of[:G], "gpu_pool": g.pools.gpu[:, :G]}
+            "ring_of": p.ring_of[:G], "gpu_pool": g.pools.gpu[:, :G]}
 
 
 class OnOffDriver(TwinDriver):

@@ -8,7 +8,7 @@ must be >= that sum and exceed it by at most the stated slack: under 1 B per slo
 sum is rounded up once) plus, per replacement policy, one superblock of words per bucket row
 and one entry of each count level (``rows x 204`` B; PB-LRU's word rounding is bounded from
 above), plus the CUDA peer pointer tables in TP mode (not allocated on CPU). Forgetting a table
-(the claim table is ``8 x ratio`` B per slot) or sizing one by ``ratio`` instead of ``ratio -
+(the claim table is ``4 x ratio`` B per slot) or sizing one by ``ratio`` instead of ``ratio -
 1`` (the CPU free stack: ``4`` B per slot per group) breaks one bound or the other. From 5,000
 slots up the bound is within 1% of the allocation (issue 21: exact, or a gap <= 1%).
 """
@@ -23,7 +23,7 @@ import torch
 from ulacache.config import UlaCacheConfig
 from ulacache.errors import CapacityExhausted, ConfigError
 from ulacache.ipc import run_ranks
-from ulacache.sizing import Affine, table_bytes, table_bytes_per_slot
+from ulacache.sizing import Affine, host_table_bytes, table_bytes, table_bytes_per_slot
 from ulacache.space import AddressSpace
 from ulacache.tp import TPAddressSpace
 
@@ -69,7 +69,7 @@ def test_dp_formula_bounds_the_allocated_tables(G, ratio, nb, L, lpg, policy, pa
                          gpu_slots=G, cpu_slots=(ratio - 1) * G, n_buckets=nb, policy=policy,
                          page_size=PAGE, access_path=path)
     space = AddressSpace(cfg, n_logical=ratio * G + PAGE)
-    rows = [t for g in space.groups for t in (g.pools.gpu, g.pools.cpu)]
+    rows = [t for g in space.groups for t in (g.pools.gpu, g.pools.cpu, g.pools.cpu_free_host)]
     parts = device_table_bytes(space, rows)
     real = sum(parts.values())
     per, fixed = table_bytes_per_slot(cfg.n_groups, ratio=ratio, page_size=PAGE, n_buckets=nb,
@@ -78,16 +78,23 @@ def test_dp_formula_bounds_the_allocated_tables(G, ratio, nb, L, lpg, policy, pa
     extra = 128 * 28 + 16 if fused else 0  # the scratch's block rounding, bounded from above
     assert real <= bound <= real + slack(G, cfg.n_groups, nb, policy, extra), (bound, real,
                                                                               parts)
+    # the CPU free stacks are host memory, charged there exactly
+    host = sum(g.pools.cpu_free_host.untyped_storage().nbytes() for g in space.groups)
+    assert host == host_table_bytes(cfg.n_groups, cfg.cpu_slots)
+    assert all(g.pools.cpu_free.data_ptr() == g.pools.cpu_free_host.data_ptr()
+               for g in space.groups)
     if G >= 5000:  # the constant slack (policy rounding) is amortised: within 1%
         assert bound - real <= 0.01 * real, (bound, real)
     # the same function with the sizes as constants gives the same bound (no per-slot part)
     assert table_bytes(cfg.n_groups, n_logical=ratio * G + PAGE, gpu_slots=G,
                        cpu_slots=(ratio - 1) * G, n_buckets=nb, policy=policy,
                        call_scratch=fused)[1] <= bound
-    # every table the formula names was found (a walker that missed the pools' free stacks or
-    # the policy would make the bound look loose, not wrong)
+    # every table the formula names was found (a walker that missed the pools' stacks' heights
+    # or the policy would make the bound look loose, not wrong); the free stacks are not
+    # device tables (host memory, above)
     names = {path.rsplit(".", 1)[-1] for path in parts}
-    assert {"loc", "gpu_owner", "shadow", "cpu_free", "claim_table", "counter_table"} <= names
+    assert {"loc", "gpu_owner", "shadow", "cpu_top", "claim_table", "counter_table"} <= names
+    assert not names & {"cpu_free", "cpu_free_host"}
 
 
 @pytest.mark.parametrize(("P", "N", "ratio", "nb", "L", "lpg", "B"),
@@ -105,7 +112,7 @@ def test_tp_formula_bounds_a_ranks_tables(P, N, ratio, nb, L, lpg, B, path):
 
     def rank(peers):
         space = TPAddressSpace(cfg, peers, n_logical=ratio * N + PAGE)
-        rows = list(space.storage) + [t for g in space.groups for t in (g.pools.gpu, g.pools.cpu)]
+        rows = list(space.storage) + [t for g in space.groups for t in (g.pools.gpu, g.pools.cpu, g.pools.cpu_free_host)]
         return device_table_bytes(space, rows, skip_attrs=("_peer_layers",))
 
     per, fixed = table_bytes_per_slot(cfg.n_groups, ratio=ratio, page_size=PAGE, n_buckets=nb,
@@ -144,6 +151,16 @@ def test_start_up_check_refuses_exactly_past_the_formula(monkeypatch):
         probe._check_memory(groups, engine_pools=False)
     avail = tables  # engine-owned pools (SGLang's kv_buffer) are not charged again
     probe._check_memory(groups, engine_pools=True)
+    # the host: the CPU pool's rows and the CPU free stacks, exactly
+    host = 3 * 1501 * 8 + host_table_bytes(3, 1500)
+    assert host_table_bytes(3, 1500) == 3 * 4 * 1501
+    monkeypatch.setattr(space_mod, "free_bytes",
+                        lambda dev: host_avail if dev.type == "cpu" else None)
+    host_avail = host
+    probe._check_memory(groups, engine_pools=True)
+    host_avail -= 1
+    with pytest.raises(CapacityExhausted, match="the CPU free stacks"):
+        probe._check_memory(groups, engine_pools=True)
 
 
 def test_affine_rounding_is_an_upper_bound():
@@ -157,19 +174,19 @@ def test_affine_rounding_is_an_upper_bound():
 
 def test_deepseek_v32_figures():
     """The figures docs/sglang.md quotes: DeepSeek-V3.2 (61 layers, 61 selection groups),
-    cpu_ratio 4 (ratio 5), 64 buckets: 4,524 B of tables and fused-call scratch per GPU token
-    in DP mode (4,495 B of tables alone), against SGLang's 80,276 B cell (656 B latent + 132 B
-    index-K x 5, per layer); TP8 with the buffer of 64 requests (64 x 2049 rows): 2,102 B per
-    global token per rank (1,822 B of tables; the gates' scratch of every group is the rest,
+    cpu_ratio 4 (ratio 5), 64 buckets: 2,796 B of tables and fused-call scratch per GPU token
+    in DP mode (2,767 B of tables alone), against SGLang's 80,276 B cell (656 B latent + 132 B
+    index-K x 5, per layer); TP8 with the buffer of 64 requests (64 x 2049 rows): 1,866 B per
+    global token per rank (1,586 B of tables; the gates' scratch of every group is the rest,
     and 311 MB of fixed scratch for the buffer's share of a call)."""
-    assert table_bytes_per_slot(61, ratio=5, page_size=64) == (4524, 1979341)
+    assert table_bytes_per_slot(61, ratio=5, page_size=64) == (2796, 1978105)
     assert table_bytes_per_slot(61, ratio=5, page_size=64, call_scratch=False) == \
-        (4495, 1745142)
+        (2767, 1743906)
     tp8 = dict(tp_size=8, buffer_slots=64 * 2049, layers=61)
-    assert table_bytes_per_slot(61, ratio=5, page_size=64, **tp8) == (2102, 611203451)
-    assert table_bytes_per_slot(61, ratio=5, page_size=64, call_scratch=False, **tp8)[0] == 1822
-    assert table_bytes_per_slot(78, ratio=5, page_size=64)[0] == 5765  # GLM-5, 78 groups
-    assert table_bytes_per_slot(21, ratio=5, page_size=64)[0] == 1602  # GLM-5.2, 21 groups
+    assert table_bytes_per_slot(61, ratio=5, page_size=64, **tp8) == (1866, 515209892)
+    assert table_bytes_per_slot(61, ratio=5, page_size=64, call_scratch=False, **tp8)[0] == 1586
+    assert table_bytes_per_slot(78, ratio=5, page_size=64)[0] == 3561  # GLM-5, 78 groups
+    assert table_bytes_per_slot(21, ratio=5, page_size=64)[0] == 994  # GLM-5.2, 21 groups
 
 
 def test_bad_geometry_is_refused():
@@ -186,7 +203,7 @@ def test_bad_geometry_is_refused():
 def test_prefetch_tables_are_charged(G, ratio, L, path):
     """With prefetch on, the engine's own claim table, fused scratch and budgets are inside
     ``table_bytes(prefetch=True)``, within the same slack; without it they would break the
-    bound (the claim table alone is 8 x ratio B per slot)."""
+    bound (the claim table alone is 4 x ratio B per slot)."""
     from ulacache.config import PrefetchConfig
     from ulacache.prefetch import PrefetchEngine
 
@@ -197,7 +214,7 @@ def test_prefetch_tables_are_charged(G, ratio, L, path):
     space = AddressSpace(cfg, n_logical=ratio * G + PAGE)
     engine = PrefetchEngine(space, PrefetchConfig(sources=("previous_layer",)), cfg.n_groups, 1,
                             space.device)
-    rows = [t for g in space.groups for t in (g.pools.gpu, g.pools.cpu)]
+    rows = [t for g in space.groups for t in (g.pools.gpu, g.pools.cpu, g.pools.cpu_free_host)]
     real = sum(device_table_bytes(space, rows).values()) + engine.budgets.numel() * 8
     per, fixed = table_bytes_per_slot(cfg.n_groups, ratio=ratio, page_size=PAGE, n_buckets=8,
                                       call_scratch=fused, prefetch=True)
@@ -224,7 +241,7 @@ def test_shared_groups_move_list_is_charged(G, ratio, path):
     engine = PrefetchEngine(space, PrefetchConfig(sources=("shared_groups",)), cfg.n_groups, 1,
                             space.device)
     assert space.groups[0].moves is not None
-    rows = [t for g in space.groups for t in (g.pools.gpu, g.pools.cpu)]
+    rows = [t for g in space.groups for t in (g.pools.gpu, g.pools.cpu, g.pools.cpu_free_host)]
     real = sum(device_table_bytes(space, rows).values()) + engine.budgets.numel() * 8
     kw = dict(ratio=ratio, page_size=PAGE, n_buckets=8, call_scratch=fused, prefetch=True)
     per, fixed = table_bytes_per_slot(cfg.n_groups, deferred_moves=True, **kw)

@@ -91,8 +91,11 @@ def live_shadows(c: dict[str, int]) -> int:
     counters: kept at promotion, consumed by a remap, reclaimed, or released with the row."""
     return c["shadowed"] - c["remaps"] - c["reclaims"] - c["shadows_released"]
 
-NO_CLAIM = torch.iinfo(torch.int64).max
+NO_CLAIM = torch.iinfo(torch.int32).max
+"""A clean claim-table entry. Claim tables are ``int32`` (4 B per address: they span every
+logical token); the positions they hold are entries of one call, fewer than ``MAP_LIMIT``."""
 MAP_DTYPE = torch.int32
+CLAIM_DTYPE = torch.int32
 """Element type of the mapping ``loc`` and the GPU reverse map ``gpu_owner`` (4 B an entry:
 the mapping spans every logical token, per group). Readers widen to ``int64`` before
 arithmetic; writers narrow."""
@@ -159,8 +162,9 @@ def add_counts(row: torch.Tensor, names: tuple[str, ...], values: dict[str, torc
 
 
 def new_claim_table(n_logical: int, device: torch.device) -> torch.Tensor:
-    """The dedup scratch of :func:`first_occurrence` over ``n_logical`` addresses (+ scratch)."""
-    return allocate((n_logical + 1,), torch.int64, device, "the claim table", fill=NO_CLAIM)
+    """The dedup scratch of :func:`first_occurrence` over ``n_logical`` addresses (+ scratch):
+    ``int32 [n_logical + 1]``, every entry :data:`NO_CLAIM`."""
+    return allocate((n_logical + 1,), CLAIM_DTYPE, device, "the claim table", fill=NO_CLAIM)
 
 
 def check_out(out: torch.Tensor | None, shape: torch.Size, device: torch.device,
@@ -199,7 +203,7 @@ def distinct_addresses(claim: torch.Tensor, table: torch.Tensor, size: int, *, f
     - ``n_distinct``, ``n_bad``: ``int64`` 0-dim counts of distinct in-range addresses and of
       out-of-range entries (neither ``-1`` nor in ``[0, n)``; they are ignored).
 
-    ``claim``: a clean claim table ``int64 [n + 1]`` (:func:`new_claim_table`), clean again
+    ``claim``: a clean claim table ``int32 [n + 1]`` (:func:`new_claim_table`), clean again
     on return. Entries in ``[0, first)`` are padding too (an engine's reserved sink page).
     The table is read in pieces of ``piece`` entries, so temporaries stay ``O(piece + n)``.
     """
@@ -239,10 +243,10 @@ def count_distinct(counters: torch.Tensor, bad: torch.Tensor, n_distinct: torch.
 
 def first_occurrence(claim: torch.Tensor, safe: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """``keep`` (``bool [n]``) restricted to the first occurrence of each index of ``safe``
-    (``int64 [n]``, in range of ``claim``). ``claim`` is an ``int64`` table all ``NO_CLAIM``
+    (``int64 [n]``, in range of ``claim``; ``n < 2**31 - 1``). ``claim`` is an ``int32`` table all ``NO_CLAIM``
     before and after the call (scatter the positions with ``amin``, compare, reset): O(n),
     fixed shapes, no sync."""
-    pos = torch.arange(safe.numel(), device=safe.device)
+    pos = torch.arange(safe.numel(), dtype=claim.dtype, device=safe.device)
     claim.scatter_reduce_(0, safe, torch.where(keep, pos, NO_CLAIM), "amin")
     first = keep & (claim[safe] == pos)
     claim.index_fill_(0, safe, NO_CLAIM)
@@ -344,8 +348,8 @@ class SelectionGroup:
         # Scratch between calls, so the groups of an address space share one table.
         if claim is None:
             claim = new_claim_table(n_logical, self.device)
-        elif claim.shape != table or claim.dtype != torch.int64 or claim.device != self.device:
-            raise ShapeError(f"claim must be int64 {table} on {self.device}")
+        elif claim.shape != table or claim.dtype != CLAIM_DTYPE or claim.device != self.device:
+            raise ShapeError(f"claim must be int32 {table} on {self.device}")
         self.claim_table = claim
         if counters is None:
             counters = torch.zeros(len(COUNTERS), dtype=torch.int64, device=self.device)
@@ -391,13 +395,13 @@ class SelectionGroup:
         self._replay = self._replay_fused if fused else self._replay_torch
 
     def use_prefetch_tables(self, claim: torch.Tensor, scratch=None) -> None:
-        """Prefetch with its own dedup table (``int64 [n_logical + 1]``, from
+        """Prefetch with its own dedup table (``int32 [n_logical + 1]``, from
         :func:`new_claim_table`) and fused scratch, so a prefetch on a side stream can run
         while another group's access uses the shared ones (one set serves every group's
         prefetch: prefetches run one at a time on the prefetch stream)."""
-        if claim.shape != self.claim_table.shape or claim.dtype != torch.int64 or \
+        if claim.shape != self.claim_table.shape or claim.dtype != CLAIM_DTYPE or \
                 claim.device != self.device:
-            raise ShapeError(f"prefetch claim must be int64 {tuple(self.claim_table.shape)} on "
+            raise ShapeError(f"prefetch claim must be int32 {tuple(self.claim_table.shape)} on "
                              f"{self.device}")
         self.prefetch_claim = claim
         if self.fused is not None:
@@ -596,8 +600,7 @@ class SelectionGroup:
         G = self.gpu_slots
         scan = torch.arange(G, device=self.device)
         cursor_order = (scan + self.reclaim_cursor) % G
-        older = self.policy.last_round()[cursor_order] \
-            < self.policy.round_t - (RECLAIM_RECENT_ROUNDS - 1)
+        older = self.policy.round_age()[cursor_order] >= RECLAIM_RECENT_ROUNDS
         # recent shadows first, each set in cursor order (a stable sort: fixed shape, no sync)
         by_age = torch.sort(older.to(torch.int8), stable=True).indices
         order, older = cursor_order[by_age], older[by_age]

@@ -32,8 +32,11 @@ __all__ = ["ReplacementPolicy", "PBLRU", "PBLRUArena", "ExactLRU", "POLICIES", "
 WORD_BITS = 63  # bits per int64 word: bit 63 unused, so +/- 2**b scatter-adds never overflow
 SUPER = 16  # words per superblock (second level of the count hierarchy)
 HYPER = 64  # superblocks per hyper block (third level: the fused kernels' victim search)
-_FREE = -(2**62)  # stamp of a free slot
 COLD_ROUND_AGE = 2
+ROUND_MODULUS = 2**16
+"""PB-LRU keeps each slot's last round modulo this (``int16``): the round is read only as an
+age for the shadow reclaim's order (:meth:`ReplacementPolicy.round_age`), where an age that
+wrapped is a heuristic's misjudgement, never a broken invariant."""
 """A prefetched slot's round stamp is this far behind the current round: older than the
 shadow reclaim's recent rounds (``ulacache.group.RECLAIM_RECENT_ROUNDS``), never pinned."""
 
@@ -106,10 +109,10 @@ class ReplacementPolicy(ABC):
         """``bool [n_slots]``: slots that are not free."""
 
     @abstractmethod
-    def last_round(self) -> torch.Tensor:
-        """``int64 [n_slots]`` view: the round each slot was last touched (a negative value for
-        free slots). Read by the shadow reclaim, which gives back the shadows of the most
-        recently touched rows first."""
+    def round_age(self) -> torch.Tensor:
+        """``int64 [n_slots]``: rounds since each slot was last touched (any value for free
+        slots; PB-LRU's wraps at :data:`ROUND_MODULUS`). Read by the shadow reclaim, which
+        gives back the shadows of the most recently touched rows first."""
 
     def used_count(self) -> torch.Tensor:
         return self.used_mask().sum(dtype=torch.int64)
@@ -158,10 +161,13 @@ class PBLRU(ReplacementPolicy):
       entry of each row is scratch (masked updates land there). The two upper levels let one
       fused kernel find the r-th victim with five scans of at most 67 values
       (:mod:`ulacache.kernels.fused_access`); the torch path keeps them without reading them.
-    - ``round_of int64 [G + 1]`` / ``epoch_of int64 [G + 1]``: round and epoch of each slot's
-      last touch (``_FREE`` when free). The paper's slot -> bucket table in a rotation-free
-      form: row = free | current (``round_of == round``) | cold (``epoch - epoch_of >= n_b``)
-      | 2 + ``epoch_of % n_b``. Advancing therefore rewrites no per-slot ids (O(W), not O(G)).
+    - ``ring_of int16 [G + 1]``: the ring row of each slot's last touch, ``epoch % n_b``, and
+      ``round_of int16 [G + 1]``: its round modulo :data:`ROUND_MODULUS` (4 B per slot). The
+      paper's slot -> bucket table in a rotation-free form: the bitmaps of the free, cold and
+      current rows say whether a slot is in one of them (three bit tests), otherwise its row
+      is ``2 + ring_of``. Advancing therefore rewrites no per-slot ids (O(W), not O(G)), and no
+      stamp is compared across rounds or epochs, so nothing wraps into a wrong row however
+      long a slot stays untouched (absolute ``int64`` stamps cost 16 B per slot per group).
     - ``round_t``, ``epoch_t``, ``entered``: 0-dim ``int64`` on the device.
 
     Why bitmaps with a two-level count hierarchy: the i-th victim is found by a prefix sum over
@@ -187,14 +193,16 @@ class PBLRU(ReplacementPolicy):
         self.n_hyper = -(-self.n_super // self.hyper)
         self.current_row = self.n_buckets + 2
         i64 = dict(dtype=torch.int64, device=self.device)
+        if self.n_buckets > 2**15:  # ring_of is int16
+            raise ShapeError(f"PBLRU needs n_buckets <= {2**15}, got {self.n_buckets}")
         tables = _bucket_tables(1, self.n_buckets, self.n_words, self.n_super, self.n_hyper,
                                 self.device) if arena is None else arena[0].tables
         i = 0 if arena is None else arena[1]
         # one policy's slice of each stacked table (an arena's, or its own of one)
         self.bits, self.counts, self.super_counts, self.hyper_counts, self.row_counts, scalars \
             = (t[i] for t in tables)
-        self.round_of = torch.full((self.n_slots + 1,), _FREE, **i64)
-        self.epoch_of = torch.full((self.n_slots + 1,), _FREE, **i64)
+        self.ring_of = torch.zeros((self.n_slots + 1,), dtype=torch.int16, device=self.device)
+        self.round_of = torch.zeros((self.n_slots + 1,), dtype=torch.int16, device=self.device)
         # 0-dim views: in-place updates only, so an arena's stacked copy stays the state
         self.round_t, self.epoch_t, self.entered = scalars[0], scalars[1], scalars[2]
         self.arena = None if arena is None else arena[0]  # whose stacked tables these are
@@ -234,12 +242,18 @@ class PBLRU(ReplacementPolicy):
                           (self.hyper_counts, flat_hyp), (self.row_counts, flat_row)):
             table.view(-1).scatter_add_(0, at, ones)
 
-    def _row_of(self, round_of: torch.Tensor, epoch_of: torch.Tensor) -> torch.Tensor:
-        """Bucket row of slots with these stamps (see the class docstring)."""
-        recent = 2 + torch.remainder(epoch_of, self.n_buckets)
-        row = torch.where(self.epoch_t - epoch_of >= self.n_buckets, 1, recent)
-        row = torch.where(round_of == self.round_t, self.current_row, row)
-        return torch.where(round_of == _FREE, 0, row)
+    def _in_row(self, row: int, s: torch.Tensor) -> torch.Tensor:
+        """``bool [n]``: whether slots ``s`` (in range, or the scratch index) are in ``row``."""
+        word = torch.div(s, WORD_BITS, rounding_mode="floor")
+        bit = torch.bitwise_left_shift(torch.ones_like(word), s - word * WORD_BITS)
+        return (self.bits[row].index_select(0, word) & bit) != 0
+
+    def _row_of(self, s: torch.Tensor) -> torch.Tensor:
+        """Bucket row of slots ``s`` (see the class docstring): free, current, cold by their
+        bits, else the ring row of their last touch."""
+        row = torch.where(self._in_row(1, s), 1, 2 + self.ring_of[s].to(torch.int64))
+        row = torch.where(self._in_row(self.current_row, s), self.current_row, row)
+        return torch.where(self._in_row(0, s), 0, row)
 
     def _move_row(self, dst: torch.Tensor, src: torch.Tensor, move: torch.Tensor) -> None:
         """If ``move`` (0-dim 0/1): every member of row ``src`` joins row ``dst`` (rows hold
@@ -253,38 +267,36 @@ class PBLRU(ReplacementPolicy):
     # -- interface ----------------------------------------------------------------------
     def touch(self, slots: torch.Tensor, assigned: bool = False) -> None:
         valid, s = self._slots(slots)
-        old = self._row_of(self.round_of[s], self.epoch_of[s])
+        old = self._row_of(s)
         move = valid & (old != self.current_row)
         self._move_bits(s, old, torch.full_like(s, self.current_row), move)
         # turnover: slots with a new row, and touches from outside recency (free or cold)
         self.entered.add_((move if assigned else move & (old <= 1)).sum())
         dst = torch.where(move, s, self.n_slots)
-        self.round_of.index_put_((dst,), self.round_t.expand_as(s))
-        self.epoch_of.index_put_((dst,), self.epoch_t.expand_as(s))
+        # truncating casts: the round modulo 2**16, the ring row (< n_b <= 2**15) exactly
+        self.round_of.index_put_((dst,), self.round_t.to(torch.int16).expand_as(s))
+        self.ring_of.index_put_((dst,), torch.remainder(self.epoch_t, self.n_buckets)
+                                .to(torch.int16).expand_as(s))
 
     def assign(self, slots: torch.Tensor) -> None:
         self.touch(slots, assigned=True)
 
     def admit(self, slots: torch.Tensor) -> None:
-        """Into the cold bucket (row 1): stamps an epoch ``n_b`` behind (cold whatever epochs
-        follow) and a round :data:`COLD_ROUND_AGE` behind (the shadow reclaim counts it as
-        an older row, whose shadow is worth keeping)."""
+        """Into the cold bucket (row 1), stamped a round :data:`COLD_ROUND_AGE` behind (the
+        shadow reclaim counts it as an older row, whose shadow is worth keeping)."""
         valid, s = self._slots(slots)
-        old = self._row_of(self.round_of[s], self.epoch_of[s])
+        old = self._row_of(s)
         move = valid & (old != 1) & (old != self.current_row)
         self._move_bits(s, old, torch.ones_like(s), move)
         dst = torch.where(move, s, self.n_slots)
-        self.round_of.index_put_((dst,), (self.round_t - COLD_ROUND_AGE).expand_as(s))
-        self.epoch_of.index_put_((dst,), (self.epoch_t - self.n_buckets).expand_as(s))
+        self.round_of.index_put_((dst,), (self.round_t - COLD_ROUND_AGE).to(torch.int16)
+                                 .expand_as(s))
 
     def release(self, slots: torch.Tensor) -> None:
         valid, s = self._slots(slots)
-        old = self._row_of(self.round_of[s], self.epoch_of[s])
+        old = self._row_of(s)
         move = valid & (old != 0)
-        self._move_bits(s, old, torch.zeros_like(s), move)
-        dst = torch.where(move, s, self.n_slots)
-        self.round_of.index_put_((dst,), torch.full_like(s, _FREE))
-        self.epoch_of.index_put_((dst,), torch.full_like(s, _FREE))
+        self._move_bits(s, old, torch.zeros_like(s), move)  # stamps of free slots: unread
 
     def advance(self) -> None:
         """End the round: its bucket joins the newest epoch; a new epoch starts (retiring the
@@ -358,36 +370,43 @@ class PBLRU(ReplacementPolicy):
 
     def pinned(self, slots: torch.Tensor) -> torch.Tensor:
         valid, s = self._slots(slots)
-        return valid & (self.round_of[s] == self.round_t)
+        return valid & self._in_row(self.current_row, s)
 
     def used_count(self) -> torch.Tensor:
         return self.n_slots - self.row_counts[0, 0].to(torch.int64)
 
     def used_mask(self) -> torch.Tensor:
-        return self.round_of[: self.n_slots] != _FREE
+        return ~self._in_row(0, torch.arange(self.n_slots, device=self.device))
 
-    def last_round(self) -> torch.Tensor:
-        return self.round_of[: self.n_slots]
+    def round_age(self) -> torch.Tensor:
+        return torch.remainder(self.round_t - self.round_of[: self.n_slots].to(torch.int64),
+                               ROUND_MODULUS)
 
     def bucket_of(self, slots: torch.Tensor) -> torch.Tensor:
         """Bucket row of each slot (0 free, 1 cold, 2 + i recent ring row i, n_b + 2 current);
         for tests and metrics."""
-        return self._row_of(self.round_of[slots], self.epoch_of[slots])
+        return self._row_of(slots)
 
     def check_integrity(self) -> None:
         G, W, S, H = self.n_slots, self.n_words, self.n_super, self.n_hyper
         used = self.used_mask()
-        assert torch.equal(used, self.epoch_of[:G] != _FREE), "round and epoch stamps disagree"
-        assert bool((self.round_of[:G][used] <= self.round_t).all()), "round stamp from the future"
-        assert bool((self.epoch_of[:G][used] <= self.epoch_t).all()), "epoch stamp from the future"
+        slots = torch.arange(G, device=self.device)
+        # every slot in exactly one row (the bitmaps are the truth; rows derive from them)
+        members = sum(self._in_row(r, slots).to(torch.int64) for r in range(self.n_buckets + 3))
+        assert bool((members == 1).all()), "a slot is in no bucket row, or in two"
+        ring = self.ring_of[:G].to(torch.int64)
+        assert bool(((ring >= 0) & (ring < self.n_buckets)).all()), "ring stamp out of range"
+        current = self._in_row(self.current_row, slots)
+        assert bool((self.round_of[:G][current] == self.round_t.to(torch.int16)).all()), \
+            "a slot of the current row was not stamped this round"
         assert 0 <= int(self.entered), "negative entry count"
         expected = PBLRU.__new__(PBLRU)
         expected.__dict__.update(self.__dict__)
         for name in ("bits", "counts", "super_counts", "hyper_counts", "row_counts"):
             setattr(expected, name, torch.zeros_like(getattr(self, name)))
-        slots = torch.arange(G, device=self.device)
         expected._move_bits(slots, None, self.bucket_of(slots), torch.ones_like(used))
-        assert torch.equal(expected.bits[:, :W], self.bits[:, :W]), "bitmaps disagree with stamps"
+        assert torch.equal(expected.bits[:, :W], self.bits[:, :W]), \
+            "bitmaps disagree with the ring stamps"
         assert torch.equal(expected.counts[:, :W], self.counts[:, :W]), "word counts != bits"
         assert torch.equal(expected.super_counts[:, :S], self.super_counts[:, :S]), \
             "superblock counts != word counts"
@@ -497,8 +516,8 @@ class ExactLRU(ReplacementPolicy):
     def used_mask(self) -> torch.Tensor:
         return self.stamp[: self.n_slots] != self.FREE_STAMP
 
-    def last_round(self) -> torch.Tensor:
-        return self.stamp[: self.n_slots]
+    def round_age(self) -> torch.Tensor:
+        return self.round_t - self.stamp[: self.n_slots]
 
     def check_integrity(self) -> None:
         assert bool((self.stamp[: self.n_slots] <= self.round_t).all()), "stamp from the future"

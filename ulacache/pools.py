@@ -7,8 +7,11 @@ Region table of a pool tensor ``uint8 [L, R + 1, row_bytes]``::
 
 The GPU pool lives on the group's device; the CPU pool in host memory (pinned, exact size,
 when the device is CUDA). Free GPU slots are tracked by the replacement policy (its free
-bitmap comes first in victim order); free CPU slots by a device-resident stack, so spills and
-promotions can pop and push without host synchronisation.
+bitmap comes first in victim order); free CPU slots by a stack that lives beside the CPU pool,
+in host memory, and is addressed from the device (zero-copy, :func:`device_view`), so spills
+and promotions pop and push without host synchronisation and the device holds nothing per
+CPU slot (4 B per CPU slot per group: at ``cpu_ratio`` 64 that alone was a third of the
+tables' device bytes). Only its height, ``cpu_top``, is device memory.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import logging
 import os
 
 import torch
+
+from ulacache.kernels.pinned import device_view
 
 from .errors import CapacityExhausted, ShapeError
 
@@ -90,10 +95,12 @@ class TierPools:
     ----------
     gpu : ``uint8 [L, gpu_slots + 1, row_bytes]`` on ``device``.
     cpu : ``uint8 [L, cpu_slots + 1, row_bytes]`` in host memory.
-    cpu_free : ``int32 [cpu_slots + 1]`` on ``device`` (4 B per CPU slot);
+    cpu_free : ``int32 [cpu_slots + 1]`` addressed on ``device`` (4 B per CPU slot), stored
+        in host memory (``cpu_free_host``; on a CPU or meta device the same tensor);
         ``cpu_free[:cpu_top]`` are the free CPU slots (entry ``cpu_slots`` is scratch for
-        masked pushes).
-    cpu_top : 0-dim ``int64`` on ``device``.
+        masked pushes). Slots move through it one per spilled row, never in bulk, so the
+        bus reads of zero-copy access cost what the row copies beside them already pay.
+    cpu_top : 0-dim ``int64`` on ``device`` (atomics stay in device memory).
 
     ``L`` may be 0: a residency-only group (simulations of the policy) moves no bytes.
     """
@@ -122,9 +129,12 @@ class TierPools:
                             "the CPU pool", pinned=self.device.type == "cuda",
                             fill=None if self.device.type == "cuda" else 0)
         # Pops take from the top; reversed so that a fresh pool hands out slots 0, 1, 2, ...
-        self.cpu_free = allocate((cpu_slots + 1,), torch.int32, self.device, "the CPU free stack")
-        self.cpu_free[:cpu_slots] = torch.arange(cpu_slots - 1, -1, -1, device=self.device)
-        self.cpu_free[cpu_slots] = cpu_slots
+        self.cpu_free_host = allocate((cpu_slots + 1,), torch.int32, self.device,
+                                      "the CPU free stack", pinned=self.device.type == "cuda")
+        if self.cpu_free_host.device.type != "meta":
+            self.cpu_free_host[:cpu_slots] = torch.arange(cpu_slots - 1, -1, -1)
+            self.cpu_free_host[cpu_slots] = cpu_slots
+        self.cpu_free = device_view(self.cpu_free_host, self.device)
         self.cpu_top = torch.tensor(cpu_slots, dtype=torch.int64, device=self.device)
         logger.debug("pools: %d layers x (%d GPU + %d CPU) rows of %d B", n_layers, gpu_slots,
                      cpu_slots, row_bytes)

@@ -153,7 +153,7 @@ class PrefillStage:
                                           torch.where(found >= 0, dst, -1))
         safe = torch.where(found >= 0, found, n)
         # address -> its stage row; NO_CLAIM for what was not gathered (and the scratch entry)
-        claim.index_copy_(0, safe, torch.where(gathered, dst, NO_CLAIM))
+        claim.index_copy_(0, safe, torch.where(gathered, dst, NO_CLAIM).to(claim.dtype))
         out = torch.empty(table.shape, dtype=torch.int64, device=found.device)
         for src, rows in zip(table.reshape(-1).split(piece), out.view(-1).split(piece)):
             src = src.to(found.device, torch.int64)

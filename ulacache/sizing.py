@@ -16,7 +16,17 @@ from .group import COUNTERS
 from .pblru import HYPER, POLICIES, SUPER, WORD_BITS
 
 __all__ = ["Affine", "TPTables", "table_bytes", "table_bytes_per_slot", "call_scratch_bytes",
-           "coordinator_output_bytes"]
+           "coordinator_output_bytes", "host_table_bytes", "CPU_FREE_STACK_BYTES"]
+
+CPU_FREE_STACK_BYTES = 4
+"""Host bytes per CPU slot per selection group besides its rows: the slot's entry in the CPU
+free stack (``int32``, :class:`ulacache.pools.TierPools`), which lives in host memory."""
+
+
+def host_table_bytes(groups: int, cpu_slots: int) -> int:
+    """Host bytes of one rank's tables besides the CPU pool's rows: the CPU free stacks,
+    ``int32 [C + 1]`` per selection group."""
+    return groups * CPU_FREE_STACK_BYTES * (cpu_slots + 1)
 
 
 @dataclass(frozen=True)
@@ -68,7 +78,7 @@ def _policy_bytes(policy: str, n: Affine, n_buckets: int) -> Affine:
     return (rows * words * (8 + 4)  # bits int64 and counts int32 [rows, n_words + 16]
             + rows * 4 * (supers + 1) + rows * 4 * (hypers + 1)  # super/hyper_counts int32
             + rows * 2 * 4  # row_counts int32 [rows, 2]
-            + 2 * 8 * (n + 1)  # round_of, epoch_of int64 [n + 1]
+            + 2 * 2 * (n + 1)  # round_of, ring_of int16 [n + 1]
             + 3 * 8  # round_t, epoch_t, entered
             + 8 * n_buckets + 2 * 8)  # _ring int64 [n_b], _head int64 [2]
 
@@ -102,30 +112,30 @@ def table_bytes(groups: int, *, n_logical: int | Affine, gpu_slots: int | Affine
 
     Counted, per selection group (:class:`~ulacache.group.SelectionGroup`): the mapping ``loc
     int32 [n + 1]``, ``gpu_owner int32 [G + 1]``, the shadow table ``int32 [G + 1]``,
-    the CPU free stack ``int32 [C + 1]`` (no CPU reverse map), ``cpu_top`` and the reclaim
-    cursor, the policy over ``G`` slots (PB-LRU's bucket tables may be stacked in one arena per
+    ``cpu_top`` and the reclaim cursor (the CPU free stack is host memory,
+    :func:`host_table_bytes`; there is no CPU reverse map), the policy over ``G`` slots (PB-LRU's bucket tables may be stacked in one arena per
     address space: the same bytes); per rank: PB-LRU's byte tables (one pair per device, shared
-    by every policy); per address space: the shared claim table ``int64 [n + 1]`` and the
+    by every policy); per address space: the shared claim table ``int32 [n + 1]`` and the
     counter table ``int64 [groups, 16]``. With ``tp`` (per group,
     :class:`~ulacache.buffer.LocalBuffer`): ``slot_of int32 [N + 1]`` over the *global*
     addresses, ``holder int64 [B + 1]``, a policy over ``B`` slots; per rank: the buffers'
-    shared claim table ``int64 [N + 1]``, the gate counters ``int64 [groups, 9]`` and the CUDA
+    shared claim table ``int32 [N + 1]``, the gate counters ``int64 [groups, 9]`` and the CUDA
     peer pointer tables ``int64 [layers, ranks]``. The fused path's per-call scratch, allocated
     once for ``call_capacity = G + B + CALL_FLOOR`` entries (``call_entries`` when given): per
     address space 28 B an entry plus three ``int32`` per-block counts, and 8 B per group (the
     stack pointer K3 hands K4); TP adds this rank's ``int32`` rows of a plan and, per group, the
     gates' 36 B an entry (:func:`call_scratch_bytes`; ``call_scratch=False`` leaves it out: the
     torch path). ``prefetch`` (:class:`ulacache.prefetch.PrefetchEngine`): the prefetches' own
-    claim table ``int64 [n + 1]``, their fused scratch (one access scratch of the same
+    claim table ``int32 [n + 1]``, their fused scratch (one access scratch of the same
     capacity, shared by the groups) and the per-group budgets ``int64 [groups]``.
     ``deferred_moves`` (the ``shared_groups`` source): the move list ``int32 [3,
     call_capacity]``, one per address space.
     Not counted: host mirrors of the counters.
     """
     n, G, C = Affine.of(n_logical), Affine.of(gpu_slots), Affine.of(cpu_slots)
-    group = (4 * (n + 1) + 4 * (G + 1) + 4 * (G + 1) + 4 * (C + 1) + 8 + 8
+    group = (4 * (n + 1) + 4 * (G + 1) + 4 * (G + 1) + 8 + 8
              + _policy_bytes(policy, G, n_buckets))
-    total = groups * group + 8 * (n + 1) + groups * len(COUNTERS) * 8
+    total = groups * group + 4 * (n + 1) + groups * len(COUNTERS) * 8
     if policy == "pblru":
         total = total + BYTE_TABLE_BYTES
     if tp is not None:
@@ -133,14 +143,14 @@ def table_bytes(groups: int, *, n_logical: int | Affine, gpu_slots: int | Affine
 
         N, B = Affine.of(tp.n_global), tp.buffer_slots
         buffer = 4 * (N + 1) + 8 * (B + 1) + _policy_bytes(policy, Affine.of(B), n_buckets)
-        total = (total + groups * buffer + 8 * (N + 1) + groups * len(TP_COUNTERS) * 8
+        total = (total + groups * buffer + 4 * (N + 1) + groups * len(TP_COUNTERS) * 8
                  + tp.layers * tp.ranks * 8)
     cap = G + (0 if tp is None else tp.buffer_slots) + CALL_FLOOR \
         if call_entries is None else Affine.of(call_entries)
     if call_scratch:
         total = total + call_scratch_bytes(groups, cap, tp is not None)
     if prefetch:
-        total = total + 8 * (n + 1) + 8 * groups
+        total = total + 4 * (n + 1) + 8 * groups
         if call_scratch:
             total = total + call_scratch_bytes(groups, cap, False)
     if deferred_moves:

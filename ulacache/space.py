@@ -34,7 +34,7 @@ from .group import (
 from .health import CounterMonitor
 from .pblru import PBLRUArena
 from .pools import allocate, free_bytes, resolve_device
-from .sizing import table_bytes
+from .sizing import host_table_bytes, table_bytes
 from .streams import CoreStream
 
 logger = logging.getLogger(__name__)
@@ -120,6 +120,7 @@ class AddressSpace:
         parts = {  # (device, what) -> bytes
             (self.device, "the GPU pool"): 0 if engine_pools else layers * (G + 1) * rb,
             (cpu, "the CPU pool"): layers * (C + 1) * rb,
+            (cpu, "the CPU free stacks"): host_table_bytes(len(layer_groups), C),
             (self.device, "the mapping tables, claim table and policy state"): tables,
         }
         for dev in {self.device, cpu}:

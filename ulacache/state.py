@@ -27,7 +27,7 @@ class GroupTables:
     ----------
     loc : ``int32 [N + 1]``: address -> slot (``[0, G)`` GPU, ``G + c`` CPU slot ``c``),
         ``-1`` unmapped.
-    claim : ``int64 [N + 1]``: per-call dedup scratch (first position naming an address),
+    claim : ``int32 [N + 1]``: per-call dedup scratch (first position naming an address),
         reset to its sentinel after every call; may be shared by the groups of a space.
     gpu_owner : ``int32 [G + 1]``: GPU slot -> address, ``-1`` free. (CPU slots have no
         reverse map: ``check_integrity`` derives it from ``loc`` and ``shadow``.)

@@ -83,7 +83,7 @@ from functools import cache, cached_property
 from ulacache.config import SGLangOptions
 from ulacache.layout import PoolRows
 from ulacache.oracle.refmodel import ModelGeometry
-from ulacache.sizing import coordinator_output_bytes, table_bytes_per_slot
+from ulacache.sizing import CPU_FREE_STACK_BYTES, coordinator_output_bytes, table_bytes_per_slot
 
 logger = logging.getLogger(__name__)
 
@@ -304,9 +304,11 @@ def ulacache_tp_charge(inp: Inputs, c: int, buffer_rows: int, shard_index: bool 
 
 def host_rows(inp: Inputs) -> int:
     """CPU-tier token rows (all layers) the host holds for one rank: its budget over the row
-    size, less the CPU pool's scratch row (``TierPools`` allocates ``C + 1`` rows per layer;
-    ``ulacache rehearse`` found a pool that missed it by 9 KB on 8xB300)."""
-    return max(inp.host_bytes // inp.lat - 1, 0)
+    size and the row's CPU free-stack entries (one ``int32`` per selection group, host memory:
+    ``ulacache.sizing.host_table_bytes``), less the CPU pool's scratch row (``TierPools``
+    allocates ``C + 1`` rows per layer and stack entries per group; ``ulacache rehearse`` found
+    a pool that missed it by 9 KB on 8xB300)."""
+    return max(inp.host_bytes // (inp.lat + CPU_FREE_STACK_BYTES * inp.groups) - 1, 0)
 
 
 def ulacache_dp_pool(inp: Inputs, c: int, running: int | None = None,

@@ -280,7 +280,7 @@ def owner(name: str) -> str:
     ``request table`` (SGLang's ``req_to_token``, allocated outside the KV budget), ``KV rows``
     (latent and index-K rows, what SGLang's cell is made of; in TP mode the rank's own stripe
     and its buffer) or ``ulacache`` (tables, policy state, scratch, output rows)."""
-    if name.endswith(".pools.cpu"):
+    if name.endswith((".pools.cpu", ".pools.cpu_free_host", ".pools.cpu_free")):
         return "host"
     if "req_to_token" in name:
         return "request table"
