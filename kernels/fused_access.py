@@ -585,7 +585,8 @@ if triton is not None:
                 inr = j < G
                 slot = (start + j) % G
                 # PBLRU.round_age: the int16 stamp's age modulo 2**16
-                age = (now - tl.load(round_of + slot, mask=inr, other=0).to(tl.int64)) & (ROUND_MOD - 1)
+                stamp = tl.load(round_of + slot, mask=inr, other=0).to(tl.int64)
+                age = (now - stamp) & (ROUND_MOD - 1)
                 older = age >= RECENT
                 want = (inr & older) if second == 1 else (inr & ~older)
                 had = tl.load(shadow + slot, mask=want, other=-1).to(tl.int64)

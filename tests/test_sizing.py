@@ -87,7 +87,7 @@ def test_dp_formula_bounds_the_allocated_tables(G, ratio, nb, L, lpg, policy, pa
         assert bound - real <= 0.01 * real, (bound, real)
     # the same function with the sizes as constants gives the same bound (no per-slot part)
     assert table_bytes(cfg.n_groups, n_logical=ratio * G + PAGE, gpu_slots=G,
-                       cpu_slots=(ratio - 1) * G, n_buckets=nb, policy=policy,
+                       n_buckets=nb, policy=policy,
                        call_scratch=fused)[1] <= bound
     # every table the formula names was found (a walker that missed the pools' stacks' heights
     # or the policy would make the bound look loose, not wrong); the free stacks are not
@@ -112,7 +112,8 @@ def test_tp_formula_bounds_a_ranks_tables(P, N, ratio, nb, L, lpg, B, path):
 
     def rank(peers):
         space = TPAddressSpace(cfg, peers, n_logical=ratio * N + PAGE)
-        rows = list(space.storage) + [t for g in space.groups for t in (g.pools.gpu, g.pools.cpu, g.pools.cpu_free_host)]
+        rows = list(space.storage) + [t for g in space.groups for t in
+                                      (g.pools.gpu, g.pools.cpu, g.pools.cpu_free_host)]
         return device_table_bytes(space, rows, skip_attrs=("_peer_layers",))
 
     per, fixed = table_bytes_per_slot(cfg.n_groups, ratio=ratio, page_size=PAGE, n_buckets=nb,
@@ -134,8 +135,8 @@ def test_start_up_check_refuses_exactly_past_the_formula(monkeypatch):
     cfg = UlaCacheConfig(layout="tiny", row_bytes=8, n_layers=3, gpu_slots=500, cpu_slots=1500,
                          n_buckets=16)
     n = 4 * 500 + PAGE
-    tables = table_bytes(3, n_logical=n, gpu_slots=500, cpu_slots=1500, n_buckets=16)[1]
-    assert tables > table_bytes(3, n_logical=n, gpu_slots=500, cpu_slots=1500, n_buckets=16,
+    tables = table_bytes(3, n_logical=n, gpu_slots=500, n_buckets=16)[1]
+    assert tables > table_bytes(3, n_logical=n, gpu_slots=500, n_buckets=16,
                                 call_scratch=False)[1]  # the fused scratch is charged too
     gpu_pool = 3 * 501 * 8
     gpu = torch.device("cuda")  # only named (free_bytes is replaced): distinct from the host

@@ -243,9 +243,9 @@ def count_distinct(counters: torch.Tensor, bad: torch.Tensor, n_distinct: torch.
 
 def first_occurrence(claim: torch.Tensor, safe: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """``keep`` (``bool [n]``) restricted to the first occurrence of each index of ``safe``
-    (``int64 [n]``, in range of ``claim``; ``n < 2**31 - 1``). ``claim`` is an ``int32`` table all ``NO_CLAIM``
-    before and after the call (scatter the positions with ``amin``, compare, reset): O(n),
-    fixed shapes, no sync."""
+    (``int64 [n]``, in range of ``claim``; ``n < 2**31 - 1``). ``claim`` is an ``int32``
+    table all ``NO_CLAIM`` before and after the call (scatter the positions with ``amin``,
+    compare, reset): O(n), fixed shapes, no sync."""
     pos = torch.arange(safe.numel(), dtype=claim.dtype, device=safe.device)
     claim.scatter_reduce_(0, safe, torch.where(keep, pos, NO_CLAIM), "amin")
     first = keep & (claim[safe] == pos)

@@ -95,7 +95,7 @@ class TPTables:
 
 
 def table_bytes(groups: int, *, n_logical: int | Affine, gpu_slots: int | Affine,
-                cpu_slots: int | Affine, n_buckets: int = 64, policy: str = "pblru",
+                n_buckets: int = 64, policy: str = "pblru",
                 tp: TPTables | None = None, call_scratch: bool = True,
                 call_entries: int | None = None, prefetch: bool = False,
                 deferred_moves: bool = False) -> tuple[int, int]:
@@ -113,10 +113,11 @@ def table_bytes(groups: int, *, n_logical: int | Affine, gpu_slots: int | Affine
     Counted, per selection group (:class:`~ulacache.group.SelectionGroup`): the mapping ``loc
     int32 [n + 1]``, ``gpu_owner int32 [G + 1]``, the shadow table ``int32 [G + 1]``,
     ``cpu_top`` and the reclaim cursor (the CPU free stack is host memory,
-    :func:`host_table_bytes`; there is no CPU reverse map), the policy over ``G`` slots (PB-LRU's bucket tables may be stacked in one arena per
-    address space: the same bytes); per rank: PB-LRU's byte tables (one pair per device, shared
-    by every policy); per address space: the shared claim table ``int32 [n + 1]`` and the
-    counter table ``int64 [groups, 16]``. With ``tp`` (per group,
+    :func:`host_table_bytes`; there is no CPU reverse map), the policy over ``G`` slots (PB-LRU:
+    ``int16`` stamps, 4 B a slot, and bucket bitmaps; its bucket tables may be stacked in one
+    arena per address space: the same bytes); per rank: PB-LRU's byte tables (one pair per
+    device, shared by every policy); per address space: the shared claim table ``int32 [n + 1]``
+    and the counter table ``int64 [groups, 16]``. With ``tp`` (per group,
     :class:`~ulacache.buffer.LocalBuffer`): ``slot_of int32 [N + 1]`` over the *global*
     addresses, ``holder int64 [B + 1]``, a policy over ``B`` slots; per rank: the buffers'
     shared claim table ``int32 [N + 1]``, the gate counters ``int64 [groups, 9]`` and the CUDA
@@ -126,13 +127,13 @@ def table_bytes(groups: int, *, n_logical: int | Affine, gpu_slots: int | Affine
     stack pointer K3 hands K4); TP adds this rank's ``int32`` rows of a plan and, per group, the
     gates' 36 B an entry (:func:`call_scratch_bytes`; ``call_scratch=False`` leaves it out: the
     torch path). ``prefetch`` (:class:`ulacache.prefetch.PrefetchEngine`): the prefetches' own
-    claim table ``int32 [n + 1]``, their fused scratch (one access scratch of the same
-    capacity, shared by the groups) and the per-group budgets ``int64 [groups]``.
-    ``deferred_moves`` (the ``shared_groups`` source): the move list ``int32 [3,
-    call_capacity]``, one per address space.
+    claim table ``int32 [n + 1]``, their fused scratch (one access scratch of the same capacity,
+    shared by the groups) and the per-group budgets ``int64 [groups]``. ``deferred_moves`` (the
+    ``shared_groups`` source): the move list ``int32 [3, call_capacity]``, one per address
+    space.
     Not counted: host mirrors of the counters.
     """
-    n, G, C = Affine.of(n_logical), Affine.of(gpu_slots), Affine.of(cpu_slots)
+    n, G = Affine.of(n_logical), Affine.of(gpu_slots)
     group = (4 * (n + 1) + 4 * (G + 1) + 4 * (G + 1) + 8 + 8
              + _policy_bytes(policy, G, n_buckets))
     total = groups * group + 4 * (n + 1) + groups * len(COUNTERS) * 8
@@ -198,7 +199,7 @@ def table_bytes_per_slot(groups: int, *, ratio: int, page_size: int, n_buckets: 
     n_global = ratio * x + page_size
     tp = None if tp_size == 1 else TPTables(n_global, buffer_slots, tp_size, layers)
     return table_bytes(groups, n_logical=n_global.ceil_div(tp_size) if tp else n_global,
-                       gpu_slots=x * (1 / P), cpu_slots=x * ((ratio - 1) / P),
+                       gpu_slots=x * (1 / P),
                        n_buckets=n_buckets, policy=policy, tp=tp, call_scratch=call_scratch,
                        call_entries=call_entries, prefetch=prefetch,
                        deferred_moves=deferred_moves)

@@ -112,7 +112,7 @@ class AddressSpace:
         c, n = self.config, self.n_logical
         rb, G, C = c.row_layout.row_bytes, c.gpu_slots, c.cpu_slots
         layers = sum(len(g) for g in layer_groups)
-        _, tables = table_bytes(len(layer_groups), n_logical=n, gpu_slots=G, cpu_slots=C,
+        _, tables = table_bytes(len(layer_groups), n_logical=n, gpu_slots=G,
                                 n_buckets=c.n_buckets, policy=c.policy,
                                 call_entries=c.call_entries)
         # the host tier: host memory, or the meta device with the rest (ulacache rehearse)
