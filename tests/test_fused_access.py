@@ -325,6 +325,11 @@ def test_translate_kernel_matches_the_group_translate():
 def test_cuda_random_sequences_match_the_reference(seed):
     layers, G, C, rb, nb = GEOMETRIES[seed % 4]
     ref, fused = make_twins(layers, 3000, G * 8, C * 8, rb, nb, device="cuda")
+    from ulacache.kernels.pinned import is_registered
+
+    for g in (ref, fused):  # the CPU free stack: host memory, addressed from the device
+        assert g.pools.cpu_free.is_cuda and is_registered(g.pools.cpu_free_host)
+        assert g.pools.cpu_free.data_ptr() == g.pools.cpu_free_host.data_ptr()
     d = TwinDriver(ref, fused, seed)
     for _ in range(6):
         d.advance()

@@ -57,6 +57,8 @@ def capacity_columns() -> dict[tuple[str, str, str, str], dict]:
 
 
 CAPACITY = capacity_columns()
+# the GLM-5 FP8 8xB300 DP column: host-bound at cpu_ratio 2 (1,864,768 tokens per GPU)
+CAPPED = CAPACITY[("glm-5", "b300", "dp", "fp8")]["pool_tokens"]
 
 
 def plan(model, gpu, mode, config=None, **kw) -> dict:
@@ -99,7 +101,7 @@ BATCHES = {
                             mem_fraction_static=0.99995),
            "small pool": plan("glm-5", "h200", "dp", {"cpu_ratio": 40}),
            # the capacity tool's B300 pick, with its pool: SGLang's --max-total-tokens cap
-           "capped": plan("glm-5", "b300", "dp", {"cpu_ratio": 2}, max_total_tokens=1876160)},
+           "capped": plan("glm-5", "b300", "dp", {"cpu_ratio": 2}, max_total_tokens=CAPPED)},
     "tp": {**{name_of(m, g, lay): capacity_plan(m, g, "tp", lay)
               for (m, g, mode, lay) in REHEARSED if mode == "tp"},
            **{"stripe:" + name_of(m, g, lay): capacity_plan(m, g, "tp_stripe", lay)
@@ -226,7 +228,9 @@ def test_transient_peak_over_the_headroom_is_refused_naming_the_call(dp_reports)
 def test_max_total_tokens_caps_the_pool_so_the_cpu_tier_fits_the_host(dp_reports):
     report = dp_reports["capped"]
     check_fits(report)
-    assert report["pool_tokens"] == 1876160
+    assert report["pool_tokens"] == CAPPED
+    col = CAPACITY[("glm-5", "b300", "dp", "fp8")]
+    assert col["host_bound"] and col["ratio"] == 2
 
 
 @pytest.mark.xdist_group("rehearse_dp")

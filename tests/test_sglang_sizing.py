@@ -99,7 +99,8 @@ _CHILD = textwrap.dedent(f"""
     pool = classes._build_dsa_kv_pool_around(
         lambda self: classes.UlaCacheDSATokenToKVPool(N, **kw), kvc)  # the hook's plan
     stock = HiSparseDSATokenToKVPool(N, **kw)
-    host = [g.pools.cpu for g in pool.core.groups]  # the CPU tier: pinned host memory
+    # the CPU tier and its free stacks: pinned host memory
+    host = [t for g in pool.core.groups for t in (g.pools.cpu, g.pools.cpu_free_host)]
     mods = ("ulacache", "sglang.srt.mem_cache")
     out["groups"] = pool.ula_groups
     out["stage_bytes"] = pool._stage_storage.nbytes

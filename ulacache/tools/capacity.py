@@ -483,8 +483,12 @@ def capacity(inp: Inputs, system: str) -> Point:
     if system in ("ulacache_tp_repl", "ulacache_tp_shard"):
         shard = system == "ulacache_tp_shard"
         b = tp_buffer_rows(inp, inp.running)
+        step = inp.running * inp.draft_tokens * (inp.top_k + 1)
+        # each rank's own pool (N / P rows) holds its 1/P share of one decode step
+        # (TPAddressSpace.check_step_capacity refuses to start otherwise)
         c = _pick(0, lambda r: (1 + r) * ulacache_tp_pool(inp, r, b, shard),
-                  lambda r: ulacache_tp_pool(inp, r, b, shard), inp.min_gpu_tokens)
+                  lambda r: ulacache_tp_pool(inp, r, b, shard), inp.min_gpu_tokens,
+                  ok=lambda r: ulacache_tp_pool(inp, r, b, shard) // P * P >= step)
         n = ulacache_tp_pool(inp, c, b, shard)
         cell, fixed = ulacache_tp_charge(inp, c, b, shard)
         per = _tables(inp.groups, 1 + c, P, b, inp.layers)[0]
