@@ -51,6 +51,13 @@ def test_random_sequences_match_the_reference(seed):
     _random_sequence(seed)
 
 
+@pytest.mark.parametrize("seed", [1, 2])
+def test_random_sequences_match_the_reference_across_the_stamps_wrap(seed):
+    """PB-LRU's int16 stamps wrap at 2**16 rounds: both paths started 6 rounds before it run
+    the same sequence (11 round starts) and agree on every state, stamps included."""
+    _random_sequence(seed, start_round=2**16 - 6)
+
+
 def test_the_compiled_sub_block_size_matches_the_reference_too(monkeypatch):
     """The interpreter runs K3 / G3 with 64-entry sub-blocks (it pays per op); the GPU's 16
     (eight sub-blocks per block) must make the same decisions."""
@@ -60,12 +67,16 @@ def test_the_compiled_sub_block_size_matches_the_reference_too(monkeypatch):
         _random_sequence(seed)
 
 
-def _random_sequence(seed: int) -> None:
+def _random_sequence(seed: int, start_round: int = 0) -> None:
     """Seeds 0-3 keep shadows (write-back-free evictions), 4-7 do not: every geometry runs
-    both, hostile and not."""
+    both, hostile and not. ``start_round``: both twins' PB-LRU round counter starts there
+    (and the epoch counter that far along the ring)."""
     layers, G, C, rb, nb = GEOMETRIES[seed % 4]
     shadows = seed < 4
     ref, fused = make_twins(layers, 300, G, C, rb, nb, shadows=shadows)
+    for g in (ref, fused):
+        g.policy.round_t.fill_(start_round)
+        g.policy.epoch_t.fill_(start_round)
     d = TwinDriver(ref, fused, seed)
     for _ in range(6):
         d.advance()
