@@ -233,7 +233,9 @@ def get_topk_paged_around(original_fn, self, forward_batch, layer_id, q_fp8, wei
     if not isinstance(metadata, DSAIndexerMetadata):
         raise ConfigError(f"ulacache stripe_index_k: unsupported indexer metadata "
                           f"{type(metadata).__name__} (index_kpool and DSV4 indexers)")
-    check_indexer(self)
+    if not getattr(self, "_ulacache_stripe_checked", False):  # its config is fixed: once
+        check_indexer(self)
+        self._ulacache_stripe_checked = True
     striped = store.stripe.decode_metadata(metadata, forward_batch, layer_id)
     return original_fn(self, forward_batch, layer_id, q_fp8, weights, striped, *args, **kwargs)
 

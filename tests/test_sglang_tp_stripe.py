@@ -313,3 +313,50 @@ def test_prefill_gather_equals_the_replicated_bytes(ranks):
     _, results = ranks
     for r in results:
         assert r["prefill_equal"] == [True] * (2 * L)
+
+
+def test_indexers_that_mask_by_position_or_read_the_replicated_table_are_refused():
+    """``check_indexer`` refuses, in one line, an indexer whose paged path assumes local column
+    == request position (``index_init_tokens`` / ``index_local_tokens``) or whose logits
+    backend reads the replicated page table (cutedsl, aiter); a DeepGEMM indexer with neither
+    passes. The paged top-k hook checks each indexer once (its config is fixed), not per
+    layer call."""
+    from ulacache.errors import ConfigError
+    from ulacache.patches import sglang_index_stripe as stripe
+
+    def backend(name=None):
+        return types.SimpleNamespace(is_cutedsl=lambda: name == "cutedsl",
+                                     is_aiter=lambda: name == "aiter")
+
+    ok = types.SimpleNamespace(num_init_tokens=0, num_local_tokens=0,
+                               paged_mqa_logits_backend=backend())
+    stripe.check_indexer(ok)
+    for bad, match in [(dict(num_init_tokens=4), "index_init_tokens"),
+                       (dict(num_local_tokens=128), "index_local_tokens"),
+                       (dict(paged_mqa_logits_backend=backend("cutedsl")), "cutedsl"),
+                       (dict(paged_mqa_logits_backend=backend("aiter")), "aiter")]:
+        with pytest.raises(ConfigError, match=match):
+            stripe.check_indexer(types.SimpleNamespace(**{**vars(ok), **bad}))
+
+    import sglang.srt.model_executor.forward_context as fc
+    from sglang.srt.layers.attention.dsa.dsa_indexer_metadata import DSAIndexerMetadata
+
+    calls = []
+    store = types.SimpleNamespace(stripe=types.SimpleNamespace(
+        decode_metadata=lambda metadata, batch, layer: ("striped", layer)))
+    orig_store, orig_check = stripe.striped_store, stripe.check_indexer
+    got_pool = fc.get_token_to_kv_pool
+    stripe.striped_store = lambda pool: store
+    stripe.check_indexer = calls.append
+    fc.get_token_to_kv_pool = lambda: None
+    try:
+        meta = DSAIndexerMetadata.__new__(DSAIndexerMetadata)
+        indexer = types.SimpleNamespace()
+        for layer in range(3):
+            out = stripe.get_topk_paged_around(lambda *a: a[5], indexer, None, layer, None,
+                                               None, meta)
+            assert out == ("striped", layer)
+        assert calls == [indexer]
+    finally:
+        stripe.striped_store, stripe.check_indexer = orig_store, orig_check
+        fc.get_token_to_kv_pool = got_pool
