@@ -68,11 +68,11 @@ if triton is not None:
         push = cslot >= 0
         tl.store(shadow + tl.where(on_gpu, phys, G), tl.full(safe.shape, -1, tl.int32),
                  mask=on_gpu)
-        # PBLRU.release: a used slot's bit moves to the free row, its stamps become free
+        # PBLRU.release: a used slot's bit moves to the free row (a free slot's stamps are
+        # never read)
         slot = tl.where(on_gpu, phys, 0)
         old = bucket_row_of(bits, ring_of, slot, on_gpu, W1, NB)
         move = on_gpu & (old != 0)
-        # a free slot's stamps are never read: only its bit moves
         move_slots(bits, counts, supc, hypc, rowc, slot, old, 0, move, W1, S1, H1, HY)
         tl.store(cslot_out + i, cslot, mask=live)
         tl.store(block_push + pid, tl.sum(push.to(tl.int32)))

@@ -71,7 +71,7 @@ MUTANTS = [  # (file, original, mutant, what it models)
     (G, "owned = ok & (owner >= 0)", "owned = ok & (owner > 0)", "address 0 taken for free"),
     (G, "first = keep & (claim[safe] == pos)", "first = keep", "no dedup in access/place"),
     (G, "hit = first & (phys < G)", "hit = first & (phys <= G)", "hit boundary"),
-    (P, "row = torch.where(self._in_row(1, s), 1, 2 + self.ring_of[s].to(torch.int64))",
+    (P, "row = torch.where(cold, 1, 2 + self.ring_of[s].to(torch.int64))",
      "row = 2 + self.ring_of[s].to(torch.int64)", "cold bit ignored (a cold slot read as ring)"),
     (P, "self.ring_of.index_put_((dst,), torch.remainder(self.epoch_t, self.n_buckets)",
      "self.ring_of.index_put_((dst,), torch.remainder(self.epoch_t + 1, self.n_buckets)",

@@ -94,8 +94,8 @@ def live_shadows(c: dict[str, int]) -> int:
 NO_CLAIM = torch.iinfo(torch.int32).max
 """A clean claim-table entry. Claim tables are ``int32`` (4 B per address: they span every
 logical token); the positions they hold are entries of one call, fewer than ``MAP_LIMIT``."""
-MAP_DTYPE = torch.int32
 CLAIM_DTYPE = torch.int32
+MAP_DTYPE = torch.int32
 """Element type of the mapping ``loc`` and the GPU reverse map ``gpu_owner`` (4 B an entry:
 the mapping spans every logical token, per group). Readers widen to ``int64`` before
 arithmetic; writers narrow."""

@@ -33,12 +33,12 @@ WORD_BITS = 63  # bits per int64 word: bit 63 unused, so +/- 2**b scatter-adds n
 SUPER = 16  # words per superblock (second level of the count hierarchy)
 HYPER = 64  # superblocks per hyper block (third level: the fused kernels' victim search)
 COLD_ROUND_AGE = 2
+"""A prefetched slot's round stamp is this far behind the current round: older than the
+shadow reclaim's recent rounds (``ulacache.group.RECLAIM_RECENT_ROUNDS``), never pinned."""
 ROUND_MODULUS = 2**16
 """PB-LRU keeps each slot's last round modulo this (``int16``): the round is read only as an
 age for the shadow reclaim's order (:meth:`ReplacementPolicy.round_age`), where an age that
 wrapped is a heuristic's misjudgement, never a broken invariant."""
-"""A prefetched slot's round stamp is this far behind the current round: older than the
-shadow reclaim's recent rounds (``ulacache.group.RECLAIM_RECENT_ROUNDS``), never pinned."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -209,6 +209,8 @@ class PBLRU(ReplacementPolicy):
         self._popcount, self._select = _byte_tables(self.device)
         self._ring = torch.arange(1, self.n_buckets + 1, device=self.device)
         self._head = torch.tensor([0, 1], **i64)
+        self._rows = torch.arange(self.n_buckets + 3, device=self.device)  # bucket row ids
+        self._flag_rows = self._rows[[0, 1, self.current_row]]  # free, cold, current
         all_slots = torch.arange(self.n_slots, device=self.device)
         self._move_bits(all_slots, None, torch.zeros_like(all_slots),
                         torch.ones_like(all_slots, dtype=torch.bool))  # everything starts free
@@ -242,18 +244,25 @@ class PBLRU(ReplacementPolicy):
                           (self.hyper_counts, flat_hyp), (self.row_counts, flat_row)):
             table.view(-1).scatter_add_(0, at, ones)
 
-    def _in_row(self, row: int, s: torch.Tensor) -> torch.Tensor:
-        """``bool [n]``: whether slots ``s`` (in range, or the scratch index) are in ``row``."""
+    def _in_rows(self, rows: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        """``bool [len(rows), n]``: whether slots ``s`` (in range, or the scratch index) are in
+        each of ``rows`` (``int64``): one gather of their words."""
         word = torch.div(s, WORD_BITS, rounding_mode="floor")
         bit = torch.bitwise_left_shift(torch.ones_like(word), s - word * WORD_BITS)
-        return (self.bits[row].index_select(0, word) & bit) != 0
+        words = self.bits.view(-1)[rows.unsqueeze(1) * self.bits.shape[1] + word]
+        return (words & bit) != 0
+
+    def _in_row(self, row: int, s: torch.Tensor) -> torch.Tensor:
+        """``bool [n]``: whether slots ``s`` are in ``row``."""
+        return self._in_rows(self._rows[row: row + 1], s)[0]
 
     def _row_of(self, s: torch.Tensor) -> torch.Tensor:
         """Bucket row of slots ``s`` (see the class docstring): free, current, cold by their
         bits, else the ring row of their last touch."""
-        row = torch.where(self._in_row(1, s), 1, 2 + self.ring_of[s].to(torch.int64))
-        row = torch.where(self._in_row(self.current_row, s), self.current_row, row)
-        return torch.where(self._in_row(0, s), 0, row)
+        free, cold, current = self._in_rows(self._flag_rows, s)
+        row = torch.where(cold, 1, 2 + self.ring_of[s].to(torch.int64))
+        row = torch.where(current, self.current_row, row)
+        return torch.where(free, 0, row)
 
     def _move_row(self, dst: torch.Tensor, src: torch.Tensor, move: torch.Tensor) -> None:
         """If ``move`` (0-dim 0/1): every member of row ``src`` joins row ``dst`` (rows hold
@@ -392,7 +401,7 @@ class PBLRU(ReplacementPolicy):
         used = self.used_mask()
         slots = torch.arange(G, device=self.device)
         # every slot in exactly one row (the bitmaps are the truth; rows derive from them)
-        members = sum(self._in_row(r, slots).to(torch.int64) for r in range(self.n_buckets + 3))
+        members = self._in_rows(self._rows, slots).sum(0)
         assert bool((members == 1).all()), "a slot is in no bucket row, or in two"
         ring = self.ring_of[:G].to(torch.int64)
         assert bool(((ring >= 0) & (ring < self.n_buckets)).all()), "ring stamp out of range"

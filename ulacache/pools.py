@@ -98,8 +98,9 @@ class TierPools:
     cpu_free : ``int32 [cpu_slots + 1]`` addressed on ``device`` (4 B per CPU slot), stored
         in host memory (``cpu_free_host``; on a CPU or meta device the same tensor);
         ``cpu_free[:cpu_top]`` are the free CPU slots (entry ``cpu_slots`` is scratch for
-        masked pushes). Slots move through it one per spilled row, never in bulk, so the
-        bus reads of zero-copy access cost what the row copies beside them already pay.
+        masked pushes). An entry moves per spilled, promoted or released row, so the bus
+        reads and writes of zero-copy access ride beside the row copies that cross the bus
+        anyway.
     cpu_top : 0-dim ``int64`` on ``device`` (atomics stay in device memory).
 
     ``L`` may be 0: a residency-only group (simulations of the policy) moves no bytes.
