@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from ulacache import bufmap
+
 from . import fused_access as fa
 
 __all__ = ["FusedGates", "TP_COUNTER_COLUMNS"]
@@ -52,12 +54,74 @@ if fa.triton is not None:
     T_MISSING, T_OVERFLOW, T_EVICTIONS = (_t["peer_missing"], _t["buffer_overflow"],
                                           _t["buffer_evictions"])
     WANT = tl.constexpr(1)
+    WAYS, SPILL = tl.constexpr(bufmap.WAYS), tl.constexpr(bufmap.SPILL)
+    HASH1, HASH2 = tl.constexpr(bufmap.HASH1), tl.constexpr(bufmap.HASH2)
 
     @triton.jit
-    def _g2_first_hits(addrs, claim, table, slot_of, status, block_want, victim_out, src_rank,
+    def _buckets(a, NBK):
+        """The two buckets of each address (``ulacache.bufmap.buckets``)."""
+        a = a & 0x7FFFFFFF
+        h1 = (a * HASH1) & 0xFFFFFFFF
+        h2 = (a * HASH2) & 0xFFFFFFFF
+        return (h1 * NBK) >> 32, (h2 * NBK) >> 32
+
+    @triton.jit
+    def map_find(table, holder, a, live, NBK):
+        """Buffer slot of each address (``int64``, ``-1``: not mapped): both buckets' live
+        entries, compared by their holders."""
+        b1, b2 = _buckets(a, NBK)
+        w = tl.arange(0, WAYS)
+        e1 = tl.load(table + b1[:, None] * WAYS + w[None, :], mask=live[:, None], other=-1)
+        e2 = tl.load(table + b2[:, None] * WAYS + w[None, :], mask=live[:, None], other=-1)
+        k1 = tl.load(holder + tl.where(e1 >= 0, e1, 0), mask=e1 >= 0, other=-1)
+        k2 = tl.load(holder + tl.where(e2 >= 0, e2, 0), mask=e2 >= 0, other=-1)
+        m1 = tl.max(tl.where((e1 >= 0) & (k1 == a[:, None]), e1, -1), axis=1)
+        m2 = tl.max(tl.where((e2 >= 0) & (k2 == a[:, None]), e2, -1), axis=1)
+        return tl.maximum(m1, m2).to(tl.int64)
+
+    @triton.jit
+    def map_insert(table, a, s, want, NBK):
+        """Map ``a -> s`` where ``want``: the first empty entry in the order of
+        ``ulacache.bufmap.BufferMap.insert`` (the first ``SPILL`` ways of the first bucket,
+        then of the second, then the rest of each), taken by compare-and-swap (racing lanes:
+        one wins, the rest try the next entry). Returns (inserted, position ``int64``, ``-1``
+        where not)."""
+        b1, b2 = _buckets(a, NBK)
+        pending = want
+        pos = tl.full(a.shape, -1, tl.int64)
+        j = 0
+        while (j < 2 * WAYS) & (tl.max(pending.to(tl.int32), axis=0) > 0):
+            one = (j < SPILL) | ((j >= 2 * SPILL) & (j < WAYS + SPILL))
+            way = tl.where(j < SPILL, j, tl.where(j < WAYS + SPILL, j - SPILL, j - WAYS))
+            p = tl.where(one, b1, b2) * WAYS + way
+            # settled lanes compare-and-swap an entry with -2, which no entry holds: a no-op
+            # (atomic_cas has no mask)
+            target = tl.where(pending, p, tl.where(pos >= 0, pos, b1 * WAYS))  # settled: own
+            old = tl.atomic_cas(table + target, tl.where(pending, -1, -2).to(tl.int32),
+                                s.to(tl.int32), sem="relaxed")
+            won = pending & (old == -1)
+            pos = tl.where(won, p, pos)
+            pending = pending & ~won
+            j += 1
+        return want & ~pending, pos
+
+    @triton.jit
+    def map_erase(table, a, s, mask, keep, NBK):
+        """Unmap slot ``s`` (whose address was ``a``) where ``mask``; the entry at ``keep``
+        (the slot's new address, inserted first) stays."""
+        b1, b2 = _buckets(a, NBK)
+        w = tl.arange(0, WAYS)
+        for bk in tl.static_range(2):
+            p = tl.where(bk == 0, b1, b2)[:, None] * WAYS + w[None, :]
+            e = tl.load(table + p, mask=mask[:, None], other=-1)
+            hit = mask[:, None] & (e == s[:, None]) & (p != keep[:, None])
+            tl.store(table + p, tl.full(p.shape, -1, tl.int32), mask=hit)
+
+    @triton.jit
+    def _g2_first_hits(addrs, claim, table, bmap, holder, status, block_want, victim_out, src_rank,
                        src_slot, dst_row, counters, dp_counters,
                        bits, counts, supc, hypc, rowc, round_of, ring_of, round_ptr, epoch_ptr,
-                       entered, n, N, P, RANK, W1, S1, H1,
+                       entered, n, N, P, RANK, W1, S1, H1, NBK,
                        NB: tl.constexpr, HY: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         i = pid * BLOCK + tl.arange(0, BLOCK)
@@ -70,7 +134,7 @@ if fa.triton is not None:
         owner = tl.where(inrange, a % P, 0)
         mine = inrange & (owner == RANK)
         theirs = inrange & ~mine
-        bslot = tl.load(slot_of + safe, mask=theirs, other=-1).to(tl.int64)
+        bslot = map_find(bmap, holder, a, theirs, NBK)
         hit = theirs & (bslot >= 0)
         touch_slots(bits, counts, supc, hypc, rowc, round_of, ring_of, round_ptr, epoch_ptr,
                entered, bslot, first & hit, W1, S1, H1, NB, HY, False)
@@ -96,8 +160,8 @@ if fa.triton is not None:
 
     @triton.jit
     def _g3_claim_slots(addrs, table, status, block_want, victim_out, counters,
-                        bits, counts, supc, hypc, rowc, epoch_ptr, slot_of, holder,
-                        src_rank, src_slot, dst_row, n, G, B, P, W1, S1, H1, NS, NH,
+                        bits, counts, supc, hypc, rowc, epoch_ptr, bmap, holder,
+                        src_rank, src_slot, dst_row, n, G, B, P, W1, S1, H1, NS, NH, NBK,
                         NB: tl.constexpr, RP: tl.constexpr, HP: tl.constexpr, HY: tl.constexpr,
                         HYP2: tl.constexpr, BP: tl.constexpr, SUB: tl.constexpr,
                         BLOCK: tl.constexpr):
@@ -114,16 +178,15 @@ if fa.triton is not None:
             if tl.sum(want.to(tl.int32)) > 0:
                 victim = find_victims(rank, want, tot, total, epoch_t, bits, counts, supc, hypc, W1,
                                   S1, H1, NS, NH, NB, RP, HP, HY, HYP2, SUB)
-                ok = victim >= 0
+                a = tl.load(addrs + i, mask=live, other=-1).to(tl.int64)
+                # the new copy is mapped first: if its buckets are full (never seen) nothing
+                # changes, the victim keeps its copy and the want overflows
+                ok, pos = map_insert(bmap, a, victim, victim >= 0, NBK)
+                victim = tl.where(ok, victim, -1)
                 vs = tl.where(ok, victim, B)
                 old = tl.load(holder + vs, mask=ok, other=-1)
                 evict = ok & (old >= 0)
-                a = tl.load(addrs + i, mask=live, other=-1).to(tl.int64)
-                # the evicted copy is unmapped, the new one mapped (disjoint addresses: a wanted
-                # address is not buffered)
-                tl.store(slot_of + tl.where(evict, old, 0), tl.full(old.shape, -1, tl.int32),
-                         mask=evict)
-                tl.store(slot_of + tl.where(ok, a, 0), victim.to(tl.int32), mask=ok)
+                map_erase(bmap, old, victim, evict, pos, NBK)
                 tl.store(holder + vs, a, mask=ok)
                 owner = tl.where(ok, a % P, 0)
                 oslot = tl.load(table + owner * n + i, mask=ok, other=-1).to(tl.int64)
@@ -137,9 +200,9 @@ if fa.triton is not None:
                 tl.atomic_add(counters + T_EVICTIONS, tl.sum(evict.to(tl.int64)), sem="relaxed")
 
     @triton.jit
-    def _g4_assign_rows(addrs, own, victim_in, out, slot_of,
+    def _g4_assign_rows(addrs, own, victim_in, out, bmap, holder,
                         bits, counts, supc, hypc, rowc, round_of, ring_of, round_ptr,
-                        epoch_ptr, entered, n, N, G, P, RANK, W1, S1, H1, row_base,
+                        epoch_ptr, entered, n, N, G, P, RANK, W1, S1, H1, row_base, NBK,
                         NB: tl.constexpr, HY: tl.constexpr, BLOCK: tl.constexpr):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         live = i < n
@@ -152,7 +215,7 @@ if fa.triton is not None:
         theirs = inrange & ~mine
         mine_row = tl.load(own + i, mask=mine, other=-1).to(tl.int64)
         mine_row = tl.where(mine_row >= 0, mine_row, -1)  # the owner's verdicts read as padding
-        bslot = tl.load(slot_of + tl.where(theirs, a, N), mask=theirs, other=-1).to(tl.int64)
+        bslot = map_find(bmap, holder, a, theirs, NBK)
         row = tl.where(mine, mine_row, tl.where(theirs & (bslot >= 0), G + 1 + bslot, -1))
         row = tl.where(row >= 0, row + row_base, -1)  # rows of the engine's tensor
         tl.store(out + i, row.to(tl.int32), mask=live)
@@ -209,17 +272,18 @@ class FusedGates:
         pol = (p.bits, p.counts, p.super_counts, p.hyper_counts, p.row_counts)
         stamps = (p.round_of, p.ring_of, p.round_t, p.epoch_t, p.entered)
         N = b.n_logical
-        fa.launch(_g2_first_hits, grid, addrs, b.claim_table, table, b.slot_of, status, block_want,
-                   victim, *plan, counters, dp_counters, *pol, *stamps, n, N, self.P,
-                   self.rank, self.w1,
-                   self.s1, self.h1, NB=self.nb, HY=self.hy, BLOCK=self.BLOCK)
+        bmap, nbk = b.map.table, b.map.n_buckets
+        fa.launch(_g2_first_hits, grid, addrs, b.claim_table, table, bmap, b.holder, status,
+                   block_want, victim, *plan, counters, dp_counters, *pol, *stamps, n, N,
+                   self.P, self.rank, self.w1, self.s1, self.h1, nbk, NB=self.nb, HY=self.hy,
+                   BLOCK=self.BLOCK)
         fa.launch(_g3_claim_slots, grid, addrs, table, status, block_want, victim, counters,
-                   *pol, p.epoch_t, b.slot_of, b.holder, *plan, n, self.G, b.n_slots, self.P,
-                   self.w1, self.s1, self.h1, p.n_super, p.n_hyper, NB=self.nb,
+                   *pol, p.epoch_t, bmap, b.holder, *plan, n, self.G, b.n_slots, self.P,
+                   self.w1, self.s1, self.h1, p.n_super, p.n_hyper, nbk, NB=self.nb,
                    RP=fa.pow2(self.nb + 2), HP=fa.pow2(p.n_hyper), HY=self.hy,
                    HYP2=fa.pow2(self.hy), BP=fa.pow2(grid[0]), SUB=self.SUB,
                    BLOCK=self.BLOCK)
-        fa.launch(_g4_assign_rows, grid, addrs, own, victim, out, b.slot_of, *pol, *stamps,
-                   n, N, self.G, self.P, self.rank, self.w1, self.s1, self.h1, self.row_base,
-                   NB=self.nb, HY=self.hy, BLOCK=self.BLOCK)
+        fa.launch(_g4_assign_rows, grid, addrs, own, victim, out, bmap, b.holder, *pol,
+                   *stamps, n, N, self.G, self.P, self.rank, self.w1, self.s1, self.h1,
+                   self.row_base, nbk, NB=self.nb, HY=self.hy, BLOCK=self.BLOCK)
         return tuple(plan)

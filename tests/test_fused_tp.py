@@ -36,7 +36,8 @@ def snapshot(space: TPAddressSpace) -> dict[str, torch.Tensor]:
         out.update({f"g{gi}.{k}": v.clone() for k, v in state(g).items()})
         b = space.buffers[gi]
         p = b.policy
-        out.update({f"b{gi}.slot_of": b.slot_of.clone(), f"b{gi}.holder": b.holder.clone(),
+        out.update({f"b{gi}.map": b.map.dense(b.n_logical, b.holder),
+                    f"b{gi}.holder": b.holder.clone(),
                     f"b{gi}.bits": p.bits[:, : p.n_words].clone(),
                     f"b{gi}.rows": p.row_counts[:, 0].clone(),
                     f"b{gi}.hyper": p.hyper_counts[:, : p.n_hyper].clone(),

@@ -121,7 +121,7 @@ def test_tp_formula_bounds_a_ranks_tables(P, N, ratio, nb, L, lpg, B, path):
                                       call_scratch=fused)
     for parts in run_ranks(P, rank):
         real = sum(parts.values())
-        assert {"slot_of", "holder"} <= {p.rsplit(".", 1)[-1] for p in parts}
+        assert {"table", "holder"} <= {p.rsplit(".", 1)[-1] for p in parts}
         extra = L * P * 8 + (128 * (36 * cfg.n_groups + 32) + 64 if fused else 0)
         assert real <= per * N + fixed <= real + slack(N, 2 * cfg.n_groups, nb, "pblru",
                                                        extra=extra), (per, fixed, real)
@@ -177,15 +177,16 @@ def test_deepseek_v32_figures():
     """The figures docs/sglang.md quotes: DeepSeek-V3.2 (61 layers, 61 selection groups),
     cpu_ratio 4 (ratio 5), 64 buckets: 2,796 B of tables and fused-call scratch per GPU token
     in DP mode (2,767 B of tables alone), against SGLang's 80,276 B cell (656 B latent + 132 B
-    index-K x 5, per layer); TP8 with the buffer of 64 requests (64 x 2049 rows): 1,866 B per
-    global token per rank (1,586 B of tables; the gates' scratch of every group is the rest,
-    and 311 MB of fixed scratch for the buffer's share of a call)."""
+    index-K x 5, per layer); TP8 with the buffer of 64 requests (64 x 2049 rows): 646 B per
+    global token per rank (366 B of tables; the gates' scratch of every group is the rest,
+    and 311 MB of fixed scratch for the buffer's share of a call; the buffer maps are fixed,
+    2.1 MB a group: before they were hash tables, 1,586 B of tables per global token)."""
     assert table_bytes_per_slot(61, ratio=5, page_size=64) == (2796, 1978105)
     assert table_bytes_per_slot(61, ratio=5, page_size=64, call_scratch=False) == \
         (2767, 1743906)
     tp8 = dict(tp_size=8, buffer_slots=64 * 2049, layers=61)
-    assert table_bytes_per_slot(61, ratio=5, page_size=64, **tp8) == (1866, 515209892)
-    assert table_bytes_per_slot(61, ratio=5, page_size=64, call_scratch=False, **tp8)[0] == 1586
+    assert table_bytes_per_slot(61, ratio=5, page_size=64, **tp8) == (646, 643182768)
+    assert table_bytes_per_slot(61, ratio=5, page_size=64, call_scratch=False, **tp8)[0] == 366
     assert table_bytes_per_slot(78, ratio=5, page_size=64)[0] == 3561  # GLM-5, 78 groups
     assert table_bytes_per_slot(21, ratio=5, page_size=64)[0] == 994  # GLM-5.2, 21 groups
 

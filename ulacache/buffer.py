@@ -10,8 +10,8 @@ in place (no local copy) and peers' rows from the buffer::
 
 This class keeps only the buffer's metadata; the bytes live in that tensor.
 
-- ``slot_of int32 [n_logical + 1]``: buffer slot of each *global* address, ``-1`` if none
-  (the last entry is scratch for masked writes).
+- ``map``: the buffer slot of a *global* address (:class:`ulacache.bufmap.BufferMap`, a hash
+  table sized by ``B``, not by the address space).
 - ``holder int64 [B + 1]``: the address each slot holds, ``-1`` when free (last: scratch).
 - a replacement policy over the ``B`` slots (PB-LRU by default): slots read or filled this
   round are in its current bucket, so they are never victims before the round ends (design
@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import torch
 
+from .bufmap import BufferMap
 from .group import NO_CLAIM, first_occurrence, new_claim_table
 from .pblru import ReplacementPolicy, make_policy
-from .pools import allocate
 
 
 class LocalBuffer:
@@ -40,9 +40,7 @@ class LocalBuffer:
                  policy: str | ReplacementPolicy = "pblru", n_buckets: int = 64,
                  claim: torch.Tensor | None = None):
         self.n_logical, self.n_slots, self.device = n_logical, n_slots, device
-        # int32: a map over every global address, per group, is the buffer's largest table
-        self.slot_of = allocate((n_logical + 1,), torch.int32, device, "the buffer map",
-                                fill=-1)
+        self.map = BufferMap(n_slots, device)
         self.holder = torch.full((n_slots + 1,), -1, dtype=torch.int64, device=device)
         self.policy = policy if isinstance(policy, ReplacementPolicy) else \
             make_policy(policy, n_slots, n_buckets, device)
@@ -52,7 +50,7 @@ class LocalBuffer:
     def lookup(self, safe: torch.Tensor) -> torch.Tensor:
         """Buffer slot of each address (``safe``: in range or the scratch index ``n_logical``);
         ``int64``, ``-1`` where not buffered."""
-        return self.slot_of[safe].to(torch.int64)
+        return self.map.find(safe, self.holder)[0]
 
     def first(self, safe: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """``keep`` restricted to the first occurrence of each address."""
@@ -75,14 +73,14 @@ class LocalBuffer:
         rank = torch.cumsum(want, 0) - 1
         cand = self.policy.victims(addrs.numel())
         slot = torch.where(want, cand[rank.clamp(min=0)], -1)
-        ok = slot >= 0
+        # the new copy is mapped first: if its buckets are full (never seen; counted by the
+        # caller as overflow) nothing changes, the victim keeps its copy
+        ok, pos = self.map.insert(addrs, slot, slot >= 0)
+        slot = torch.where(ok, slot, -1)
         B = self.n_slots
         old = self.holder[torch.where(ok, slot, B)]
         evict = ok & (old >= 0)
-        self.slot_of.index_put_((torch.where(evict, old, self.n_logical),),
-                                torch.full_like(old, -1, dtype=torch.int32))
-        self.slot_of.index_put_((torch.where(ok, addrs, self.n_logical),),
-                                slot.to(torch.int32))
+        self.map.erase(slot, old, evict, pos)
         self.holder.index_put_((torch.where(ok, slot, B),), torch.where(ok, addrs, -1))
         self.policy.assign(slot)
         return slot, evict.sum()
@@ -90,12 +88,11 @@ class LocalBuffer:
     def drop(self, safe: torch.Tensor) -> torch.Tensor:
         """Forget the copies of these addresses (released on their owner); ``int64`` number
         of copies dropped (0-dim). Duplicates and unbuffered addresses are harmless."""
-        slot = self.lookup(safe)
+        slot, pos = self.map.find(safe, self.holder)
         held = slot >= 0
         first = self.first(safe, held)
         B = self.n_slots
-        self.slot_of.index_put_((torch.where(first, safe, self.n_logical),),
-                                torch.full_like(slot, -1, dtype=torch.int32))
+        self.map.erase_at(pos, first)
         self.holder.index_put_((torch.where(first, slot, B),), torch.full_like(slot, -1))
         self.policy.release(torch.where(first, slot, -1))
         return first.sum()
@@ -117,14 +114,12 @@ class LocalBuffer:
         """Map and holders agree, the policy's used set is the held set, scratch untouched;
         ``live`` (``bool [n_logical]``): every copy's address is live."""
         B = self.n_slots
-        assert int(self.slot_of[self.n_logical]) == -1, "buffer scratch map entry written"
         assert int(self.holder[B]) == -1, "buffer scratch holder written"
         addrs, slots = self.buffered()
         assert bool((addrs < self.n_logical).all()), "buffer holds an out-of-range address"
         assert addrs.unique().numel() == addrs.numel(), "address buffered twice"
         assert torch.equal(self.lookup(addrs), slots), "buffer map disagrees with holders"
-        assert int((self.slot_of[: self.n_logical] >= 0).sum()) == addrs.numel(), \
-            "buffer map points at slots that hold another address"
+        self.map.check_integrity(self.holder)
         assert torch.equal(self.policy.used_mask(), self.holder[:B] >= 0), \
             "buffer policy's used set != held slots"
         self.policy.check_integrity()

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 
+from .bufmap import map_bytes
 from .config import CALL_FLOOR
 from .errors import ConfigError
 from .group import COUNTERS
@@ -118,8 +119,9 @@ def table_bytes(groups: int, *, n_logical: int | Affine, gpu_slots: int | Affine
     arena per address space: the same bytes); per rank: PB-LRU's byte tables (one pair per
     device, shared by every policy); per address space: the shared claim table ``int32 [n + 1]``
     and the counter table ``int64 [groups, 16]``. With ``tp`` (per group,
-    :class:`~ulacache.buffer.LocalBuffer`): ``slot_of int32 [N + 1]`` over the *global*
-    addresses, ``holder int64 [B + 1]``, a policy over ``B`` slots; per rank: the buffers'
+    :class:`~ulacache.buffer.LocalBuffer`): the map ``int32 [16 ceil(B / 4)]`` (a hash table
+    sized by the buffer, :mod:`ulacache.bufmap`), ``holder int64 [B + 1]``, a policy over ``B``
+    slots; per rank: the buffers'
     shared claim table ``int32 [N + 1]``, the gate counters ``int64 [groups, 9]`` and the CUDA
     peer pointer tables ``int64 [layers, ranks]``. The fused path's per-call scratch, allocated
     once for ``call_capacity = G + B + CALL_FLOOR`` entries (``call_entries`` when given): per
@@ -143,7 +145,7 @@ def table_bytes(groups: int, *, n_logical: int | Affine, gpu_slots: int | Affine
         from .tp import TP_COUNTERS  # tp imports this module
 
         N, B = Affine.of(tp.n_global), tp.buffer_slots
-        buffer = 4 * (N + 1) + 8 * (B + 1) + _policy_bytes(policy, Affine.of(B), n_buckets)
+        buffer = map_bytes(B) + 8 * (B + 1) + _policy_bytes(policy, Affine.of(B), n_buckets)
         total = (total + groups * buffer + 4 * (N + 1) + groups * len(TP_COUNTERS) * 8
                  + tp.layers * tp.ranks * 8)
     cap = G + (0 if tp is None else tp.buffer_slots) + CALL_FLOOR \
