@@ -7,7 +7,7 @@ knows nothing of ulacache, so one AROUND hook on ``DefaultPoolConfigurator.__ini
 (:func:`pool_configurator_init_around`) adds what the ulacache pool will allocate besides:
 
 * both modes: ulacache's tables (mapping, owners, free stacks, claim tables, PB-LRU state and,
-  in TP mode, the buffers' maps over the global addresses), per token and fixed, from
+  in TP mode, the buffers' maps, sized by the buffer), per token and fixed, from
   :func:`ulacache.sizing.table_bytes_per_slot` (the formula the core's start-up check uses) for
   the selection groups the pool will build (SGLang's own top-k sharing pattern);
 * both modes: the coordinator's graph-stable output rows, ``int32 [R x steps, top_k]`` per

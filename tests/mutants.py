@@ -4,6 +4,7 @@
     python tests/mutants.py tp         # only the TP-mode mutants (tests/test_tp.py)
     python tests/mutants.py fused      # only the fused-kernel mutants (test_fused_access.py)
     python tests/mutants.py fused_tp   # the fused TP gates (test_fused_tp.py)
+    python tests/mutants.py bufmap     # the TP buffer's hash map (test_bufmap.py, fused TP)
     python tests/mutants.py fused_round  # fused round start and release (test_fused_policy.py)
     python tests/mutants.py hostile    # refusals and TP verdicts (test_hostile_calls.py)
     python tests/mutants.py pieces     # calls over the scratch (test_core, test_fused_access)
@@ -97,9 +98,7 @@ TP_TESTS = ["tests/test_tp.py"]
 TP_MUTANTS = [  # TP mode: the striped space and the local buffer, checked by tests/test_tp.py
     (TPF, "            b.touch(torch.where(first & hit, bslot, -1))\n", "",
      "buffer hits not pinned"),
-    (BUF, "        self.slot_of.index_put_((torch.where(evict, old, self.n_logical),),\n"
-          "                                torch.full_like(old, -1, dtype=torch.int32))\n", "",
-     "an evicted copy stays mapped"),
+    (BUF, "        self.map.erase(slot, old, evict, pos)\n", "", "an evicted copy stays mapped"),
     (TPF, "                self._count(gi, buffer_drops=b.drop(safe))", "                pass",
      "released addresses keep their copies"),
     (TPF, "            self.attn_rows(layer)[dst[keep]] = rows.to(self.device)[keep]", "",
@@ -166,11 +165,33 @@ FUSED_TP_MUTANTS = [  # the fused TP gates and the striped own access, vs the to
     (FT, "entered, bslot, first & hit, W1, S1, H1, NB, HY, False)",
      "entered, bslot, first & hit & (bslot < 0), W1, S1, H1, NB, HY, False)",
      "fused TP: buffer hits not pinned"),
-    (FT, "tl.store(slot_of + tl.where(evict, old, 0), tl.full(old.shape, -1, tl.int32),",
-     "tl.store(slot_of + tl.where(evict, old, 0), tl.full(old.shape, 0, tl.int32),",
-     "fused TP: an evicted copy stays mapped (to slot 0)"),
+    (FT, "                map_erase(bmap, old, victim, evict, pos, NBK)\n", "",
+     "fused TP: an evicted copy stays mapped"),
     (FT, "tl.where(theirs & (bslot >= 0), G + 1 + bslot, -1))",
      "tl.where(theirs & (bslot >= 0), G + bslot, -1))", "fused TP: buffer rows off by one"),
+]
+BM = "ulacache/bufmap.py"
+BUFMAP_TESTS = ["tests/test_bufmap.py", "tests/test_fused_tp.py", "-k",
+                "every_operation or map or bucket or refuses"]
+BUFMAP_MUTANTS = [  # the TP buffer's hash map, torch (vs a dict) and fused (vs torch)
+    (BM, "& (pos != keep.unsqueeze(1)) & mask.unsqueeze(1)", "& mask.unsqueeze(1)",
+     "an eviction also unmaps the slot's new address"),
+    (BM, "got = pending & (rank < empties[:, -1])", "got = pending & (rank <= empties[:, -1])",
+     "an insert into a full bucket overwrites an entry"),
+    (BM, "way = (empties <= rank.unsqueeze(1)).sum(1)",
+     "way = (empties < rank.unsqueeze(1)).sum(1)",
+     "racing inserts take the same entry"),
+    (BM, "match = live & (holder[torch.where(live, e, 0)] == a.unsqueeze(1))",
+     "match = live & (holder[torch.where(live, e, 0)] >= 0)",
+     "a lookup takes any held slot of the buckets"),
+    (FT, "won = pending & (old == -1)", "won = pending",
+     "fused map: an insert overwrites a taken entry"),
+    (FT, "hit = mask[:, None] & (e == s[:, None]) & (p != keep[:, None])",
+     "hit = mask[:, None] & (e == s[:, None])",
+     "fused map: an eviction also unmaps the slot's new address"),
+    (FT, "m2 = tl.max(tl.where((e2 >= 0) & (k2 == a[:, None]), e2, -1), axis=1)",
+     "m2 = tl.max(tl.where((e2 >= 0) & (k2 == a[:, None]), e2, -1), axis=1) * 0 - 1",
+     "fused map: the second bucket is never searched"),
 ]
 FP, FR = "kernels/fused_policy.py", "kernels/fused_release.py"
 FUSED_ROUND_TESTS = ["tests/test_fused_policy.py"]
@@ -443,6 +464,7 @@ def main() -> int:
                   "tp": [(*m, TP_TESTS) for m in TP_MUTANTS],
                   "fused": [(*m, FUSED_TESTS) for m in FUSED_MUTANTS],
                   "fused_tp": [(*m, FUSED_TP_TESTS) for m in FUSED_TP_MUTANTS],
+                  "bufmap": [(*m, BUFMAP_TESTS) for m in BUFMAP_MUTANTS],
                   "fused_round": [(*m, FUSED_ROUND_TESTS) for m in FUSED_ROUND_MUTANTS],
                   "hostile": [(*m, HOSTILE_TESTS) for m in HOSTILE_MUTANTS],
                   "pieces": [(*m, PIECES_TESTS) for m in PIECES_MUTANTS],
