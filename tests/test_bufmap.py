@@ -128,10 +128,10 @@ def test_fullest_bucket_at_production_size():
         assert bool(ok.all())
         m.erase(s, holder[s], ok, pos)
         holder[s] = new
-        peak = max(peak, int((m.table.view(-1, WAYS) >= 0).sum(1).max()))
+        peak = max(peak, int((m.table[:-1].view(-1, WAYS) >= 0).sum(1).max()))
     m.check_integrity(holder)
     assert B / m.n_buckets <= LOAD and peak <= 11, peak
-    assert map_bytes(B) == m.table.numel() * 4 <= 16 * B + 64
+    assert map_bytes(B) == m.table.numel() * 4 <= 16 * B + 68
 
 
 # -- the Triton helpers (kernels/fused_tp.py), interpreted on CPU ----------------------------

@@ -4,16 +4,18 @@ buffer (not by the address space): a two-choice bucketed hash table over the slo
 A rank's buffer holds at most ``B`` copies (``B`` = a decode step's selections), but the
 addresses range over every token of the group (``N``, the whole system's history). An array
 over ``N`` per group cost every rank ``4 N`` bytes per group (2.5 KB per unique token on
-8xH200 GLM-5, more than the latent); this table costs ``64 ceil(B / 4)`` bytes per group.
+8xH200 GLM-5, more than the latent); this table costs ``64 ceil(B / 4) + 4`` bytes per group.
 
-Layout (``table int32 [n_buckets * WAYS]``): bucket ``k`` is entries ``[WAYS k, WAYS (k + 1))``
-(64 bytes: one cache line); an entry is ``EMPTY`` (-1) or a buffer slot ``s``, whose address is
-the buffer's ``holder[s]`` (the key is not stored twice). An address ``a`` may sit in either of
-its two buckets (:func:`buckets`: two multiplicative hashes, reduced by multiply-shift, so
-``n_buckets`` need not be a power of two). A lookup reads both buckets (two lines) and compares
-the holders of their live entries; an insert takes the first empty entry among the first
-``SPILL`` ways of its first bucket, then of its second, then the rest of each (:data:`SPILL`);
-an erase empties the entry. No tombstones, no probing chains, no rebuild.
+Layout (``table int32 [n_buckets * WAYS + 1]``): bucket ``k`` is entries ``[WAYS k, WAYS (k +
+1))`` (64 bytes: one cache line), and the last entry is scratch (the torch path's masked writes
+land there, so no step op has a data-dependent shape; it stays ``EMPTY``). An entry is ``EMPTY``
+(-1) or a buffer slot ``s``, whose address is the buffer's ``holder[s]`` (the key is not stored
+twice). An address ``a`` may sit in either of its two buckets (:func:`buckets`: two
+multiplicative hashes, reduced by multiply-shift, so ``n_buckets`` need not be a power of two).
+A lookup reads both buckets (two lines) and compares the holders of their live entries; an
+insert takes the first empty entry among the first ``SPILL`` ways of its first bucket, then of
+its second, then the rest of each (:data:`SPILL`); an erase empties the entry. No tombstones, no
+probing chains, no rebuild.
 
 Why it does not overflow: ``n_buckets = ceil(B / LOAD)`` keeps the mean load at most
 ``LOAD`` = 4 of ``WAYS`` = 16 entries, and the threshold choice keeps the fullest bucket near
@@ -57,8 +59,8 @@ def n_buckets_for(n_slots: int) -> int:
 
 
 def map_bytes(n_slots: int) -> int:
-    """Device bytes of the map of an ``n_slots``-row buffer (``int32 [n_buckets * WAYS]``)."""
-    return 4 * WAYS * n_buckets_for(n_slots)
+    """Device bytes of the map of an ``n_slots``-row buffer (``int32 [n_buckets * WAYS + 1]``)."""
+    return 4 * (WAYS * n_buckets_for(n_slots) + 1)
 
 
 def buckets(addrs: torch.Tensor, n_buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,7 +82,8 @@ class BufferMap:
     def __init__(self, n_slots: int, device: torch.device):
         self.n_slots, self.device = int(n_slots), device
         self.n_buckets = n_buckets_for(n_slots)
-        self.table = allocate((self.n_buckets * WAYS,), torch.int32, device, "the buffer map",
+        self.scratch = self.n_buckets * WAYS
+        self.table = allocate((self.scratch + 1,), torch.int32, device, "the buffer map",
                               fill=EMPTY)
 
     def _entries(self, bucket: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,8 +138,13 @@ class BufferMap:
         got = pending & (rank < empties[:, -1])
         way = (empties <= rank.unsqueeze(1)).sum(1).clamp(max=WAYS - 1)
         p = pos.gather(1, way.unsqueeze(1)).squeeze(1)
-        self.table[p[got]] = slots[got].to(torch.int32)
+        self._put(torch.where(got, p, self.scratch), torch.where(got, slots, EMPTY))
         return got, torch.where(got, p, -1)
+
+    def _put(self, pos: torch.Tensor, value: torch.Tensor | int) -> None:
+        """``table[pos] = value`` (masked entries point at the scratch entry with ``EMPTY``)."""
+        value = torch.as_tensor(value, device=self.device).to(torch.int32).expand(pos.shape)
+        self.table.index_put_((pos.reshape(-1),), value.reshape(-1))
 
     def erase(self, slots: torch.Tensor, addrs: torch.Tensor, mask: torch.Tensor,
               keep: torch.Tensor) -> None:
@@ -146,11 +154,11 @@ class BufferMap:
         pos = torch.cat([self._entries(b)[0] for b in buckets(a, self.n_buckets)], 1)
         hit = (self.table[pos].to(torch.int64) == slots.to(torch.int64).unsqueeze(1)) \
             & (pos != keep.unsqueeze(1)) & mask.unsqueeze(1)
-        self.table[pos[hit]] = EMPTY
+        self._put(torch.where(hit, pos, self.scratch), EMPTY)
 
     def erase_at(self, pos: torch.Tensor, mask: torch.Tensor) -> None:
         """Empty the entries at these positions where ``mask``."""
-        self.table[pos[mask]] = EMPTY
+        self._put(torch.where(mask, pos, self.scratch), EMPTY)
 
     def dense(self, n_logical: int, holder: torch.Tensor) -> torch.Tensor:
         """``int64 [n_logical + 1]``: the slot of every address (``-1``: none); tests only."""
@@ -160,7 +168,8 @@ class BufferMap:
         """Every live entry is a held slot, in one of its address's two buckets, listed
         once; every held slot has an entry."""
         B = self.n_slots
-        e = self.table.to(torch.int64)
+        assert int(self.table[self.scratch]) == EMPTY, "buffer map scratch entry written"
+        e = self.table[: self.scratch].to(torch.int64)
         live = torch.nonzero(e >= 0).reshape(-1)
         slot = e[live]
         assert bool((slot < B).all()), "buffer map holds an out-of-range slot"
