@@ -130,6 +130,7 @@ def test_fullest_bucket_at_production_size():
         holder[s] = new
         peak = max(peak, int((m.table[:-1].view(-1, WAYS) >= 0).sum(1).max()))
     m.check_integrity(holder)
+    assert torch.equal(m.find(holder[:B], holder)[0], torch.arange(B))  # in pieces
     assert B / m.n_buckets <= LOAD and peak <= 11, peak
     assert map_bytes(B) == m.table.numel() * 4 <= 16 * B + 68
 

@@ -52,6 +52,10 @@ HASH1, HASH2 = 2654435761, 2246822507
 """Odd 32-bit multipliers (Knuth's golden ratio, MurmurHash3's fmix constant): with addresses
 ``< 2**31`` the products stay below ``2**63``."""
 MASK32 = 0xFFFFFFFF
+PIECE = 1 << 14
+"""The torch path works on at most this many addresses at a time: its ``[n, 2 WAYS]``
+temporaries stay a few MB for a prefill's 10^5-10^6 addresses (``ulacache rehearse`` measures
+the transient peak)."""
 
 
 def n_buckets_for(n_slots: int) -> int:
@@ -94,7 +98,14 @@ class BufferMap:
     def find(self, addrs: torch.Tensor, holder: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """(slot, position) of each address, ``int64 [n]`` each, ``-1`` where not mapped."""
-        a = addrs.to(torch.int64)
+        a = addrs.to(torch.int64).reshape(-1)
+        if a.numel() <= PIECE:
+            return self._find(a, holder)
+        parts = [self._find(a[i:i + PIECE], holder) for i in range(0, a.numel(), PIECE)]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+    def _find(self, a: torch.Tensor, holder: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         pos = torch.cat([self._entries(b)[0] for b in buckets(a, self.n_buckets)], 1)
         e = self.table[pos].to(torch.int64)
         live = e >= 0
@@ -109,7 +120,11 @@ class BufferMap:
         """Map ``addrs[i] -> slots[i]`` where ``want`` (addresses distinct and not mapped).
         Returns (``bool [n]`` inserted, ``int64 [n]`` positions, ``-1`` elsewhere); a wanted
         address whose two buckets are full is not inserted (the caller counts it)."""
-        a = addrs.to(torch.int64)
+        a = addrs.to(torch.int64).reshape(-1)
+        if a.numel() > PIECE:  # in pieces, in lane order (bounded [n, WAYS] temporaries)
+            parts = [self.insert(a[i:i + PIECE], slots[i:i + PIECE], want[i:i + PIECE])
+                     for i in range(0, a.numel(), PIECE)]
+            return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
         b1, b2 = buckets(a, self.n_buckets)
         done = torch.zeros_like(want)
         pos = torch.full_like(a, -1)
@@ -150,7 +165,12 @@ class BufferMap:
               keep: torch.Tensor) -> None:
         """Unmap slot ``slots[i]`` (which held ``addrs[i]``) where ``mask``; the entry at
         position ``keep[i]`` (the slot's new address, inserted first) is left alone."""
-        a = addrs.to(torch.int64)
+        a = addrs.to(torch.int64).reshape(-1)
+        if a.numel() > PIECE:
+            for i in range(0, a.numel(), PIECE):
+                self.erase(slots[i:i + PIECE], a[i:i + PIECE], mask[i:i + PIECE],
+                           keep[i:i + PIECE])
+            return
         pos = torch.cat([self._entries(b)[0] for b in buckets(a, self.n_buckets)], 1)
         hit = (self.table[pos].to(torch.int64) == slots.to(torch.int64).unsqueeze(1)) \
             & (pos != keep.unsqueeze(1)) & mask.unsqueeze(1)
