@@ -174,7 +174,7 @@ FUSED_TP_MUTANTS = [  # the fused TP gates and the striped own access, vs the to
 ]
 BM = "ulacache/bufmap.py"
 BUFMAP_TESTS = ["tests/test_bufmap.py", "tests/test_fused_tp.py", "-k",
-                "every_operation or map or bucket or refuses"]
+                "every_operation or map or bucket or refuses or drop"]
 BUFMAP_MUTANTS = [  # the TP buffer's hash map, torch (vs a dict) and fused (vs torch)
     (BM, "& (pos != keep.unsqueeze(1)) & mask.unsqueeze(1)", "& mask.unsqueeze(1)",
      "an eviction also unmaps the slot's new address"),
@@ -194,6 +194,10 @@ BUFMAP_MUTANTS = [  # the TP buffer's hash map, torch (vs a dict) and fused (vs 
     (FT, "m2 = tl.max(tl.where((e2 >= 0) & (k2 == a[:, None]), e2, -1), axis=1)",
      "m2 = tl.max(tl.where((e2 >= 0) & (k2 == a[:, None]), e2, -1), axis=1) * 0 - 1",
      "fused map: the second bucket is never searched"),
+    (BUF, "                              == 0)", "                              != 0)",
+     "a long release drops the copies it should keep"),
+    (BUF, "        self.claim_table.index_fill_(0, safe, NO_CLAIM)\n", "",
+     "a long release leaves its marks in the claim table"),
 ]
 FP, FR = "kernels/fused_policy.py", "kernels/fused_release.py"
 FUSED_ROUND_TESTS = ["tests/test_fused_policy.py"]

@@ -87,7 +87,13 @@ class LocalBuffer:
 
     def drop(self, safe: torch.Tensor) -> torch.Tensor:
         """Forget the copies of these addresses (released on their owner); ``int64`` number
-        of copies dropped (0-dim). Duplicates and unbuffered addresses are harmless."""
+        of copies dropped (0-dim). Duplicates and unbuffered addresses are harmless.
+
+        A release longer than the buffer (a finished request's pages, a flush of the whole
+        space) walks the buffer's ``B`` slots instead of looking every address up: marks in the
+        claim table, O(n + B) (the choice depends on shapes only: no sync)."""
+        if safe.numel() > self.n_slots:
+            return self._drop_by_slot(safe)
         slot, pos = self.map.find(safe, self.holder)
         held = slot >= 0
         first = self.first(safe, held)
@@ -96,6 +102,19 @@ class LocalBuffer:
         self.holder.index_put_((torch.where(first, slot, B),), torch.full_like(slot, -1))
         self.policy.release(torch.where(first, slot, -1))
         return first.sum()
+
+    def _drop_by_slot(self, safe: torch.Tensor) -> torch.Tensor:
+        B = self.n_slots
+        self.claim_table.index_fill_(0, safe, 0)  # mark the released addresses
+        held = self.holder[:B]
+        gone = (held >= 0) & (self.claim_table[torch.where(held >= 0, held, self.n_logical)]
+                              == 0)
+        self.claim_table.index_fill_(0, safe, NO_CLAIM)
+        slots = torch.arange(B, device=self.device)
+        self.map.erase(slots, held, gone, torch.full_like(slots, -1))
+        self.holder.index_put_((torch.where(gone, slots, B),), torch.full_like(slots, -1))
+        self.policy.release(torch.where(gone, slots, -1))
+        return gone.sum()
 
     def advance(self) -> None:
         self.policy.advance()
