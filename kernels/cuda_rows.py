@@ -299,11 +299,13 @@ def _check_pool(name: str, t: torch.Tensor) -> None:
                          "(use ulacache.kernels.pinned.pinned_empty)")
 
 
-def _check_idx(name: str, t: torch.Tensor, n: int | None, device: torch.device) -> int:
+def _check_idx(name: str, t: torch.Tensor, n: int | None, device: torch.device,
+               dtype: torch.dtype = torch.int64) -> int:
     if not isinstance(t, torch.Tensor):
         raise ShapeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != torch.int64 or t.dim() != 1:
-        raise ShapeError(f"{name}: expected int64 [n], got {t.dtype} {list(t.shape)}")
+    if t.dtype != dtype or t.dim() != 1:
+        kind = str(dtype).removeprefix("torch.")
+        raise ShapeError(f"{name}: expected {kind} [n], got {t.dtype} {list(t.shape)}")
     if not t.is_contiguous():
         raise ShapeError(f"{name}: must be contiguous, got stride {t.stride()}")
     if t.device != device:
@@ -377,16 +379,16 @@ def gather_peers(src_table: torch.Tensor, src_rank: torch.Tensor, src_idx: torch
     ``src_table``: ``int64 [P]`` base addresses (device-readable in this process: own pool,
     pools opened by CUDA IPC, pinned host pools) of contiguous ``uint8 [L, src_rows,
     row_bytes]`` pools, same L and row_bytes as ``dst``; ``src_rows`` defaults to
-    ``dst.shape[1]``. ``src_rank``/``src_idx``/``dst_idx``: ``int64 [n]``; a ``-1`` in any skips.
-    Pointers and ranks are trusted.
+    ``dst.shape[1]``. ``src_rank``/``src_idx``/``dst_idx``: ``int32 [n]`` (a TP plan, kept per
+    group: 4 B an entry); a ``-1`` in any skips. Pointers and ranks are trusted.
     """
     _check_pool("dst", dst)
     if not _on_gpu(dst):
         raise ShapeError("dst: the peer gather writes a CUDA pool")
     dev = dst.device
-    n = _check_idx("src_idx", src_idx, None, dev)
-    _check_idx("src_rank", src_rank, n, dev)
-    _check_idx("dst_idx", dst_idx, n, dev)
+    n = _check_idx("src_idx", src_idx, None, dev, torch.int32)
+    _check_idx("src_rank", src_rank, n, dev, torch.int32)
+    _check_idx("dst_idx", dst_idx, n, dev, torch.int32)
     _check_idx("src_table", src_table, None, dev)
     layers, row_bytes = dst.shape[0], dst.shape[2]
     srows = dst.shape[1] if src_rows is None else int(src_rows)

@@ -160,7 +160,8 @@ def gather_rows_peers(
 
     ``srcs_ptr_table``: ``int64 [P]`` base addresses (see :func:`pool_ptr_table`; device
     table for the kernel) or a sequence of the pool tensors. ``src_rank``/``src_idx``/
-    ``dst_idx``: ``int64 [n]``, ``-1`` skips. See :mod:`ulacache.kernels.peer_reference`.
+    ``dst_idx``: ``int32 [n]`` (the TP plan's type; the CUDA kernel takes no other), ``-1``
+    skips. See :mod:`ulacache.kernels.peer_reference`.
     """
     if _on_meta(dst, src_rank, src_idx, dst_idx):
         return

@@ -144,9 +144,9 @@ if fa.triton is not None:
         tl.store(block_want + pid, tl.sum(want.to(tl.int32)))
         none = tl.full(a.shape, -1, tl.int64)  # defaults; G3 writes its wants' entries only
         tl.store(victim_out + i, none, mask=live)
-        tl.store(src_rank + i, none, mask=live)
-        tl.store(src_slot + i, none, mask=live)
-        tl.store(dst_row + i, none, mask=live)
+        tl.store(src_rank + i, none.to(tl.int32), mask=live)
+        tl.store(src_slot + i, none.to(tl.int32), mask=live)
+        tl.store(dst_row + i, none.to(tl.int32), mask=live)
         tl.atomic_add(counters + T_SELECTED, tl.sum(first.to(tl.int64)), sem="relaxed")
         tl.atomic_add(counters + T_OWN, tl.sum((first & mine).to(tl.int64)), sem="relaxed")
         tl.atomic_add(counters + T_HITS, tl.sum((first & hit).to(tl.int64)), sem="relaxed")
@@ -190,9 +190,9 @@ if fa.triton is not None:
                 tl.store(holder + vs, a, mask=ok)
                 owner = tl.where(ok, a % P, 0)
                 oslot = tl.load(table + owner * n + i, mask=ok, other=-1).to(tl.int64)
-                tl.store(src_rank + i, tl.where(ok, owner, -1), mask=want)
-                tl.store(src_slot + i, tl.where(ok, oslot, -1), mask=want)
-                tl.store(dst_row + i, tl.where(ok, G + 1 + victim, -1), mask=want)
+                tl.store(src_rank + i, tl.where(ok, owner, -1).to(tl.int32), mask=want)
+                tl.store(src_slot + i, tl.where(ok, oslot, -1).to(tl.int32), mask=want)
+                tl.store(dst_row + i, tl.where(ok, G + 1 + victim, -1).to(tl.int32), mask=want)
                 tl.store(victim_out + i, victim, mask=want)
                 tl.atomic_add(counters + T_FETCHES, tl.sum(ok.to(tl.int64)), sem="relaxed")
                 tl.atomic_add(counters + T_OVERFLOW, tl.sum((want & ~ok).to(tl.int64)),
@@ -221,17 +221,25 @@ if fa.triton is not None:
         tl.store(out + i, row.to(tl.int32), mask=live)
 
 
-GATE_DTYPES = (torch.int32, torch.int64, torch.int64, torch.int64, torch.int64)
-"""Per-entry scratch of the gates: status, victim and the plan (src_rank, src_slot, dst_row)."""
+GATE_DTYPES = (torch.int32, torch.int64)
+"""Per-entry scratch of one gates call: status and victim (G2 -> G3 -> G4, read by no later
+call), shared by every group of the rank (:meth:`FusedGates.new_scratch`)."""
+PLAN_DTYPE = torch.int32
+"""The plan's entries (src_rank, src_slot, dst_row), per group: every layer of the group reads
+them (:meth:`ulacache.tp.TPAddressSpace.load`) after later groups' gates have run."""
 
 
 class FusedGates:
-    """The gates of one TP group's :class:`ulacache.buffer.LocalBuffer` (PB-LRU policy)."""
+    """The gates of one TP group's :class:`ulacache.buffer.LocalBuffer` (PB-LRU policy).
+
+    ``shared``: the rank's one-call scratch (:meth:`new_scratch`; the groups' gates run one
+    after another on the rank's stream); a fresh one when not given. The plan (three
+    ``int32 [capacity]``) is the group's own."""
 
     BLOCK, SUB = fa.FusedAccess.BLOCK, fa.FusedAccess.SUB
 
     def __init__(self, buffer, gpu_slots: int, rank: int, size: int, capacity: int,
-                 row_base: int = 0) -> None:
+                 row_base: int = 0, shared: fa.Scratch | None = None) -> None:
         if fa.triton is None:
             raise RuntimeError("the fused TP gates need Triton (pip install triton)")
         self.b, self.G, self.rank, self.P = buffer, gpu_slots, rank, size
@@ -239,14 +247,21 @@ class FusedGates:
         p = buffer.policy
         self.nb, self.hy = p.n_buckets, p.hyper
         self.w1, self.s1, self.h1 = p.n_words + 16, p.n_super + 1, p.n_hyper + 1
-        # per group (the plan's views live until this group's layers have loaded), allocated
-        # once for ``capacity`` entries (config call_capacity)
-        self._scratch = fa.Scratch(buffer.device, GATE_DTYPES, self.BLOCK, capacity)
+        # allocated once for ``capacity`` entries (config call_capacity)
+        self._scratch = shared if shared is not None else \
+            self.new_scratch(buffer.device, capacity)
+        self._plan = torch.empty(3, self._scratch.cap, dtype=PLAN_DTYPE, device=buffer.device)
+
+    @classmethod
+    def new_scratch(cls, device: torch.device, capacity: int) -> fa.Scratch:
+        """One gates call's scratch for ``capacity`` entries (shareable by a rank's groups)."""
+        return fa.Scratch(device, GATE_DTYPES, cls.BLOCK, capacity)
 
     def scratch(self, n: int) -> tuple[torch.Tensor, ...]:
-        """(status int32 [n], victim int64 [n], plan: src_rank, src_slot, dst_row int64 [n],
-        per-block wants int32); the plan views stay valid until the next call."""
-        return self._scratch.get(n)
+        """(status int32 [n], victim int64 [n], plan: src_rank, src_slot, dst_row int32 [n],
+        per-block wants int32); the plan views stay valid until this group's next call."""
+        status, victim, block_want = self._scratch.get(n)
+        return (status, victim, *self._plan[:, :n], block_want)
 
     def claim_first(self, addrs: torch.Tensor) -> None:
         """G1 (needs nothing from the peers: issue it before the all-gather)."""

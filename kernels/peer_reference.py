@@ -79,10 +79,11 @@ def gather_rows_peers(
         ``int64 [P]`` table of their base addresses (CPU pools only here; the CUDA kernel takes
         device tables). Pools addressed through a table are contiguous with ``src_rows`` rows
         (default ``dst.shape[1]``).
-    src_rank : ``int64 [n]`` pool of each row, ``-1`` = skip.
-    src_idx : ``int64 [n]`` source rows, ``-1`` = skip.
+    src_rank : ``int32 [n]`` pool of each row, ``-1`` = skip (any integer type here; the CUDA
+        kernel takes ``int32``).
+    src_idx : ``int32 [n]`` source rows, ``-1`` = skip.
     dst : ``uint8 [L, D + 1, row_bytes]``.
-    dst_idx : ``int64 [n]`` destination rows, ``-1`` = skip; distinct among valid entries.
+    dst_idx : ``int32 [n]`` destination rows, ``-1`` = skip; distinct among valid entries.
     """
     if isinstance(srcs_ptr_table, torch.Tensor):
         pools = _pools_from_table(srcs_ptr_table, dst, src_rows)
@@ -94,6 +95,7 @@ def gather_rows_peers(
         raise ShapeError(f"src_rank {list(src_rank.shape)}, src_idx {list(src_idx.shape)} and "
                          f"dst_idx {list(dst_idx.shape)} must have one shape")
     rank = src_rank.to(src_idx.device)
+    src_idx, dst_idx = src_idx.to(torch.int64), dst_idx.to(torch.int64)
     minus_one = torch.full_like(src_idx, -1)
     for r, pool in enumerate(pools):
         sel = torch.where(rank == r, src_idx, minus_one)

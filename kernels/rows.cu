@@ -47,14 +47,15 @@ __device__ __forceinline__ void ula_st(u8* p, uint4 v) {
     *reinterpret_cast<uint4*>(p) = v;
 }
 
-// Gather body. PEER: the source base is src_table[src_rank[i]] (rank < 0 = skip).
-template <bool PEER>
+// Gather body. PEER: the source base is src_table[src_rank[i]] (rank < 0 = skip). Index is
+// the element type of the index arrays (i64, or int for the TP plans: 4 B an entry per group).
+template <bool PEER, typename Index>
 __device__ __forceinline__ void ula_gather_body(
     const u8* __restrict__ src, const u64* __restrict__ src_table,
-    const i64* __restrict__ src_rank, i64 src_layer_stride, i64 src_row_stride,
-    const i64* __restrict__ src_idx,
+    const Index* __restrict__ src_rank, i64 src_layer_stride, i64 src_row_stride,
+    const Index* __restrict__ src_idx,
     u8* __restrict__ dst, i64 dst_layer_stride, i64 dst_row_stride,
-    const i64* __restrict__ dst_idx,
+    const Index* __restrict__ dst_idx,
     i64 n, i64 pairs, int chunks)
 {
     const i64 warp = ((i64)blockIdx.x * blockDim.x + threadIdx.x) / 32;
@@ -120,20 +121,20 @@ extern "C" __global__ void ula_gather(
     u8* __restrict__ dst, i64 dst_layer_stride, i64 dst_row_stride,
     const i64* __restrict__ dst_idx, i64 n, i64 pairs, int chunks)
 {
-    ula_gather_body<false>(src, (const u64*)0, (const i64*)0, src_layer_stride, src_row_stride,
-                           src_idx, dst, dst_layer_stride, dst_row_stride, dst_idx,
-                           n, pairs, chunks);
+    ula_gather_body<false, i64>(src, (const u64*)0, (const i64*)0, src_layer_stride,
+                                src_row_stride, src_idx, dst, dst_layer_stride,
+                                dst_row_stride, dst_idx, n, pairs, chunks);
 }
 
 extern "C" __global__ void ula_gather_peer(
-    const u64* __restrict__ src_table, const i64* __restrict__ src_rank,
-    i64 src_layer_stride, i64 src_row_stride, const i64* __restrict__ src_idx,
+    const u64* __restrict__ src_table, const int* __restrict__ src_rank,
+    i64 src_layer_stride, i64 src_row_stride, const int* __restrict__ src_idx,
     u8* __restrict__ dst, i64 dst_layer_stride, i64 dst_row_stride,
-    const i64* __restrict__ dst_idx, i64 n, i64 pairs, int chunks)
+    const int* __restrict__ dst_idx, i64 n, i64 pairs, int chunks)
 {
-    ula_gather_body<true>((const u8*)0, src_table, src_rank, src_layer_stride, src_row_stride,
-                          src_idx, dst, dst_layer_stride, dst_row_stride, dst_idx,
-                          n, pairs, chunks);
+    ula_gather_body<true, int>((const u8*)0, src_table, src_rank, src_layer_stride,
+                               src_row_stride, src_idx, dst, dst_layer_stride,
+                               dst_row_stride, dst_idx, n, pairs, chunks);
 }
 
 // Promotion swap: gpu row g <-> cpu row c, per layer. Plain (coherent) loads: the kernel

@@ -79,7 +79,7 @@ def _check_sharing(peers: ipc.Peers, seed: int) -> None:
     for r in range(size):
         assert torch.equal(sent[r], pools[r])
 
-    src_rank, src_idx, dst_idx = _requests(seed, rank, size)
+    src_rank, src_idx, dst_idx = (v.int() for v in _requests(seed, rank, size))  # a plan's
     want = _expected(pats, src_rank, src_idx, dst_idx, 150)
     dst = torch.zeros(L, 151, RB, dtype=torch.uint8)
     dispatch.gather_rows_peers(pools, src_rank, src_idx, dst, dst_idx)

@@ -67,7 +67,7 @@ def _check_pools(peers: ipc.CudaIpcPeers, use_table: bool) -> None:
         assert p.is_cuda and p.shape == (L, R + 1, RB) and p.dtype == torch.uint8
         assert torch.equal(p.cpu(), pats[r]), f"rank {rank} reads rank {r}'s pool wrongly"
 
-    src_rank, src_idx, dst_idx = _requests(seed, rank, size)
+    src_rank, src_idx, dst_idx = (v.int() for v in _requests(seed, rank, size))  # a plan's
     want = torch.zeros(L, DST_ROWS + 1, RB, dtype=torch.uint8)
     peer_reference.gather_rows_peers([p.cpu() for p in pools], src_rank, src_idx, want, dst_idx)
     assert int((src_rank == 1 - rank).logical_and(src_idx >= 0).logical_and(dst_idx >= 0).sum())

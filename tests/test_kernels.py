@@ -156,8 +156,9 @@ def test_dispatch_cpu_fallback_equals_reference():
     assert out.tolist() == [[1, -1, 19], [-1, -1, 7]]
 
     pools = [rand_pool(2, 10, 16, gen=g) for _ in range(2)]
-    rank = torch.tensor([0, 1, -1, 1])
-    si, di = torch.tensor([1, 2, 3, -1]), torch.tensor([0, 1, 2, 3])
+    rank = torch.tensor([0, 1, -1, 1], dtype=torch.int32)
+    si = torch.tensor([1, 2, 3, -1], dtype=torch.int32)
+    di = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
     dst2 = rand_pool(2, 10, 16, gen=g)
     want2 = loop_gather(pools[1], torch.tensor([-1, 2, -1, -1]),
                         loop_gather(pools[0], torch.tensor([1, -1, -1, -1]), dst2, di), di)
@@ -277,6 +278,26 @@ def test_launcher_checks(fake_device):
     with pytest.raises(ShapeError, match="CUDA"):
         cuda_rows.gather_peers(idx, idx, idx, other, idx)
     assert len(fake_device) == 1
+
+
+def test_peer_launcher_takes_int32_plans(monkeypatch):
+    """The peer gather's indices are a TP plan's ``int32`` entries; ``int64`` is refused in
+    one line (a wrong width would read every other index as garbage on the GPU)."""
+    launches = []
+    monkeypatch.setattr(cuda_rows, "_on_gpu", lambda t: True)
+    monkeypatch.setattr(cuda_rows, "is_device_readable", lambda t: True)
+    monkeypatch.setattr(cuda_rows, "_launch", lambda *a: launches.append(a))
+    dst = torch.zeros(2, 9, 656, dtype=torch.uint8)
+    table = torch.zeros(3, dtype=torch.int64)
+    i32, i64 = torch.zeros(4, dtype=torch.int32), torch.zeros(4, dtype=torch.int64)
+    cuda_rows.gather_peers(table, i32, i32, dst, i32)
+    assert len(launches) == 1 and launches[0][0] == "ula_gather_peer"
+    for (rank, src, dst_idx), name in (((i64, i32, i32), "src_rank"),
+                                       ((i32, i64, i32), "src_idx"),
+                                       ((i32, i32, i64), "dst_idx")):
+        with pytest.raises(ShapeError, match=f"{name}: expected int32"):
+            cuda_rows.gather_peers(table, rank, src, dst, dst_idx)
+    assert len(launches) == 1
 
 
 def test_choose_rows_per_warp():
@@ -454,6 +475,7 @@ def test_emulated_peer_gather(emulated, row_bytes, layers):
     s, d = rand_pairs(45, 60, 60, 0.1, g)
     rank = torch.randint(-1, 3, (45,), generator=g)
     want = dst.clone()
+    rank, s, d = rank.int(), s.int(), d.int()  # a TP plan's entries
     peer_reference.gather_rows_peers(pools, rank, s, want, d)
     table = peer_reference.pool_ptr_table(pools)
     cuda_rows.gather_peers(table, rank, s, dst, d, rows_per_warp=2)
@@ -584,6 +606,7 @@ def test_gpu_peer_gather(backend, row_bytes, layers):
     s, d = rand_pairs(1500, 2000, 2000, 0.1, g)
     rank = torch.randint(-1, 3, (1500,), generator=g)
     want = dst.cpu()
+    rank, s, d = rank.int(), s.int(), d.int()  # a TP plan's entries
     peer_reference.gather_rows_peers([p.cpu() for p in pools], rank, s, want, d)
     table = peer_reference.pool_ptr_table(pools, "cuda")
     dispatch.gather_rows_peers(table, rank.cuda(), s.cuda(), dst, d.cuda())

@@ -185,7 +185,7 @@ def test_deepseek_v32_figures():
     assert table_bytes_per_slot(61, ratio=5, page_size=64, call_scratch=False) == \
         (2767, 1743906)
     tp8 = dict(tp_size=8, buffer_slots=64 * 2049, layers=61)
-    assert table_bytes_per_slot(61, ratio=5, page_size=64, **tp8) == (646, 643183012)
+    assert table_bytes_per_slot(61, ratio=5, page_size=64, **tp8) == (366, 439909917)
     assert table_bytes_per_slot(61, ratio=5, page_size=64, call_scratch=False, **tp8)[0] == 366
     assert table_bytes_per_slot(78, ratio=5, page_size=64)[0] == 3561  # GLM-5, 78 groups
     assert table_bytes_per_slot(21, ratio=5, page_size=64)[0] == 994  # GLM-5.2, 21 groups

@@ -216,12 +216,17 @@ class UlaCacheConfig(_Checked, frozen=True, forbid_unknown_fields=True, kw_only=
     def call_capacity(self) -> int:
         """Entries (addresses) one access / place / release call handles at once, and the size
         its scratch is allocated with, once, at construction: ``call_entries``, else
-        ``gpu_slots + buffer_slots + CALL_FLOOR``. A decode step's selections are at most
-        ``gpu_slots`` (DP: the engine refuses a GPU pool smaller than one step's selections)
-        or ``buffer_slots`` (TP: every selection may be a peer's), so a step is always one
-        call; a prefill page table of ``T x top-k`` entries runs as several calls in one round.
+        ``gpu_slots + CALL_FLOOR`` (DP) or ``buffer_slots + CALL_FLOOR`` (TP). A decode step's
+        selections are at most ``gpu_slots`` (DP: the engine refuses a GPU pool smaller than
+        one step's selections) or ``buffer_slots`` (TP: every selection may be a peer's), so a
+        step is always one call; a prefill page table of ``T x top-k`` entries, and in TP a
+        prefill's distinct addresses (up to ``gpu_slots + buffer_slots``), run as several
+        calls in one round. TP leaves the own pool out: the scratch (the gates' plan is per
+        group) stays a fixed cost, not one per GPU token.
         """
-        return self.call_entries or self.gpu_slots + self.buffer_slots + CALL_FLOOR
+        if self.call_entries:
+            return self.call_entries
+        return (self.buffer_slots if self.tp_size > 1 else self.gpu_slots) + CALL_FLOOR
 
     @property
     def row_layout(self) -> RowLayout:

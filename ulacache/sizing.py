@@ -124,12 +124,13 @@ def table_bytes(groups: int, *, n_logical: int | Affine, gpu_slots: int | Affine
     slots; per rank: the buffers'
     shared claim table ``int32 [N + 1]``, the gate counters ``int64 [groups, 9]`` and the CUDA
     peer pointer tables ``int64 [layers, ranks]``. The fused path's per-call scratch, allocated
-    once for ``call_capacity = G + B + CALL_FLOOR`` entries (``call_entries`` when given): per
-    address space 28 B an entry plus three ``int32`` per-block counts, and 8 B per group (the
-    stack pointer K3 hands K4); TP adds this rank's ``int32`` rows of a plan and, per group, the
-    gates' 36 B an entry (:func:`call_scratch_bytes`; ``call_scratch=False`` leaves it out: the
-    torch path). ``prefetch`` (:class:`ulacache.prefetch.PrefetchEngine`): the prefetches' own
-    claim table ``int32 [n + 1]``, their fused scratch (one access scratch of the same capacity,
+    once for ``call_capacity`` entries (``G + CALL_FLOOR``, TP ``B + CALL_FLOOR``;
+    ``call_entries`` when given): per address space 28 B an entry plus three ``int32``
+    per-block counts, and 8 B per group (the stack pointer K3 hands K4); TP adds this rank's
+    ``int32`` rows of a plan, one gates call's 12 B an entry and, per group, the gates' plan,
+    12 B an entry (:func:`call_scratch_bytes`; ``call_scratch=False`` leaves it out: the torch
+    path). ``prefetch`` (:class:`ulacache.prefetch.PrefetchEngine`): the prefetches' own claim
+    table ``int32 [n + 1]``, their fused scratch (one access scratch of the same capacity,
     shared by the groups) and the per-group budgets ``int64 [groups]``. ``deferred_moves`` (the
     ``shared_groups`` source): the move list ``int32 [3, call_capacity]``, one per address
     space.
@@ -148,7 +149,7 @@ def table_bytes(groups: int, *, n_logical: int | Affine, gpu_slots: int | Affine
         buffer = map_bytes(B) + 8 * (B + 1) + _policy_bytes(policy, Affine.of(B), n_buckets)
         total = (total + groups * buffer + 4 * (N + 1) + groups * len(TP_COUNTERS) * 8
                  + tp.layers * tp.ranks * 8)
-    cap = G + (0 if tp is None else tp.buffer_slots) + CALL_FLOOR \
+    cap = (G if tp is None else Affine.of(tp.buffer_slots)) + CALL_FLOOR \
         if call_entries is None else Affine.of(call_entries)
     if call_scratch:
         total = total + call_scratch_bytes(groups, cap, tp is not None)
@@ -166,14 +167,15 @@ def call_scratch_bytes(groups: int, capacity: int | Affine, tp: bool) -> Affine:
     (``kernels.fused_access.Scratch``, allocated once at construction): the address space's
     access scratch (local, phys, victim ``int64``, status ``int32``: 28 B an entry) with three
     ``int32`` counts per 128-entry block, and each group's ``int64`` stack-pointer snapshot;
-    TP: this rank's ``int32`` rows of a plan and every group's gate scratch (status ``int32``,
-    victim and the plan's three ``int64``: 36 B an entry, the same per-block counts). Block
-    rounding bounded from above."""
+    TP: this rank's ``int32`` rows of a plan, one gates call's scratch shared by the groups
+    (status ``int32``, victim ``int64``: 12 B an entry, the same per-block counts) and every
+    group's plan (three ``int32``: 12 B an entry). Block rounding bounded from above."""
     blocks = Affine.of(capacity).ceil_div(128)
     entries = 128 * blocks
     total = 28 * entries + 12 * blocks + 8 * groups
     if tp:
-        total = total + 4 * Affine.of(capacity) + groups * (36 * entries + 12 * blocks)
+        total = (total + 4 * Affine.of(capacity) + 12 * entries + 12 * blocks
+                 + groups * 12 * entries)
     return total
 
 

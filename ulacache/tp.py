@@ -121,7 +121,8 @@ placed, or released): its peers count it ``invalid``, as the owner does, not
 
 
 class _Plan:
-    """One group's plan for the current step: the peer copies every layer repeats."""
+    """One group's plan for the current step: the peer copies every layer repeats
+    (``int32 [n]`` each, ``-1``: no copy)."""
 
     __slots__ = ("src_rank", "src_slot", "dst_row")
 
@@ -218,8 +219,10 @@ class TPAddressSpace:
         if self.groups[0].fused is not None:
             from ulacache.kernels.fused_tp import FusedGates
 
+            shared = FusedGates.new_scratch(self.device, config.call_capacity)
             self._gates = [FusedGates(b, G, self.rank, self.P, config.call_capacity,
-                                      row_base=self.row_base) for b in self.buffers]
+                                      row_base=self.row_base, shared=shared)
+                           for b in self.buffers]
         # a plan covers at most call_capacity entries (a decode step: one plan; larger calls:
         # access() in chunks); fused: this rank's rows of a plan, allocated once
         self.call_capacity = config.call_capacity
@@ -550,9 +553,8 @@ class TPAddressSpace:
             row = torch.where(mine, own.to(torch.int64),
                               torch.where(theirs & (bslot >= 0), self.gpu_slots + 1 + bslot, -1))
             row = torch.where(row >= 0, row + self.row_base, -1)
-            self._plans[group] = _Plan(torch.where(fetch, owner, -1),
-                                       torch.where(fetch, owner_slot, -1),
-                                       torch.where(fetch, self.gpu_slots + 1 + got, -1))
+            self._plans[group] = _Plan(*(torch.where(fetch, v, -1).to(torch.int32) for v in
+                                         (owner, owner_slot, self.gpu_slots + 1 + got)))
             self._count(group, selected=first.sum(), own_rows=(first & mine).sum(),
                         buffer_hits=(first & hit).sum(), peer_fetches=fetch.sum(),
                         peer_missing=(first & theirs & ~hit & (owner_slot == -1)).sum(),
