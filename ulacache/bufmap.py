@@ -95,18 +95,31 @@ class BufferMap:
         pos = bucket.unsqueeze(1) * WAYS + torch.arange(WAYS, device=self.device)
         return pos, self.table[pos].to(torch.int64)
 
+    def _pair_positions(self, a: torch.Tensor) -> torch.Tensor:
+        """``int64 [n, 2 WAYS]``: the positions of both buckets of each address (first, then
+        second: the order lookups read and inserts fill)."""
+        ways = torch.arange(WAYS, device=self.device)
+        return torch.cat([b.unsqueeze(1) * WAYS + ways for b in buckets(a, self.n_buckets)], 1)
+
+    @staticmethod
+    def _by_piece(fn, *lanes: torch.Tensor):
+        """``fn`` over the lanes in pieces of at most :data:`PIECE` (in lane order), its
+        tensor results concatenated: the ``[n, 2 WAYS]`` temporaries stay bounded."""
+        n = lanes[0].numel()
+        if n <= PIECE:
+            return fn(*lanes)
+        parts = [fn(*(t[i:i + PIECE] for t in lanes)) for i in range(0, n, PIECE)]
+        return None if parts[0] is None else tuple(torch.cat(p) for p in zip(*parts))
+
     def find(self, addrs: torch.Tensor, holder: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """(slot, position) of each address, ``int64 [n]`` each, ``-1`` where not mapped."""
-        a = addrs.to(torch.int64).reshape(-1)
-        if a.numel() <= PIECE:
-            return self._find(a, holder)
-        parts = [self._find(a[i:i + PIECE], holder) for i in range(0, a.numel(), PIECE)]
-        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        return self._by_piece(lambda a: self._find(a, holder),
+                              addrs.to(torch.int64).reshape(-1))
 
     def _find(self, a: torch.Tensor, holder: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
-        pos = torch.cat([self._entries(b)[0] for b in buckets(a, self.n_buckets)], 1)
+        pos = self._pair_positions(a)
         e = self.table[pos].to(torch.int64)
         live = e >= 0
         match = live & (holder[torch.where(live, e, 0)] == a.unsqueeze(1))
@@ -120,11 +133,10 @@ class BufferMap:
         """Map ``addrs[i] -> slots[i]`` where ``want`` (addresses distinct and not mapped).
         Returns (``bool [n]`` inserted, ``int64 [n]`` positions, ``-1`` elsewhere); a wanted
         address whose two buckets are full is not inserted (the caller counts it)."""
-        a = addrs.to(torch.int64).reshape(-1)
-        if a.numel() > PIECE:  # in pieces, in lane order (bounded [n, WAYS] temporaries)
-            parts = [self.insert(a[i:i + PIECE], slots[i:i + PIECE], want[i:i + PIECE])
-                     for i in range(0, a.numel(), PIECE)]
-            return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        return self._by_piece(self._insert, addrs.to(torch.int64).reshape(-1), slots, want)
+
+    def _insert(self, a: torch.Tensor, slots: torch.Tensor, want: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         b1, b2 = buckets(a, self.n_buckets)
         done = torch.zeros_like(want)
         pos = torch.full_like(a, -1)
@@ -165,13 +177,11 @@ class BufferMap:
               keep: torch.Tensor) -> None:
         """Unmap slot ``slots[i]`` (which held ``addrs[i]``) where ``mask``; the entry at
         position ``keep[i]`` (the slot's new address, inserted first) is left alone."""
-        a = addrs.to(torch.int64).reshape(-1)
-        if a.numel() > PIECE:
-            for i in range(0, a.numel(), PIECE):
-                self.erase(slots[i:i + PIECE], a[i:i + PIECE], mask[i:i + PIECE],
-                           keep[i:i + PIECE])
-            return
-        pos = torch.cat([self._entries(b)[0] for b in buckets(a, self.n_buckets)], 1)
+        self._by_piece(self._erase, slots, addrs.to(torch.int64).reshape(-1), mask, keep)
+
+    def _erase(self, slots: torch.Tensor, a: torch.Tensor, mask: torch.Tensor,
+               keep: torch.Tensor) -> None:
+        pos = self._pair_positions(a)
         hit = (self.table[pos].to(torch.int64) == slots.to(torch.int64).unsqueeze(1)) \
             & (pos != keep.unsqueeze(1)) & mask.unsqueeze(1)
         self._put(torch.where(hit, pos, self.scratch), EMPTY)
