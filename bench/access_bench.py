@@ -100,6 +100,7 @@ fused_access = _import_core()
 import hisparse_head_to_head as h2h  # noqa: E402
 
 from ulacache.group import SelectionGroup  # noqa: E402
+from ulacache.pblru import DEFAULT_BUCKETS  # noqa: E402
 
 logger = logging.getLogger("bench.access_bench")
 
@@ -480,7 +481,7 @@ def parse_args(argv: list[str] | None, cuda: bool) -> argparse.Namespace:
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--row-bytes", type=int, default=h2h.ROW_BYTES)
     ap.add_argument("--cpu-ratio", type=float, default=1.0, help="CPU-tier rows per GPU slot")
-    ap.add_argument("--buckets", type=int, default=64, help="PB-LRU recent buckets")
+    ap.add_argument("--buckets", type=int, default=DEFAULT_BUCKETS, help="PB-LRU recent buckets")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-graph", dest="graph", action="store_false",
                     help="skip the CUDA-graph replay timing")

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workload import LocalityWorkload  # noqa: E402
 
-from ulacache.pblru import POLICIES  # noqa: E402
+from ulacache.pblru import DEFAULT_BUCKETS, POLICIES  # noqa: E402
 from ulacache.tools.residency import Residency  # noqa: E402
 
 logger = logging.getLogger("pblru_vs_lru")
@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--history", type=int, default=131072, help="tokens per request")
     ap.add_argument("--keep", type=float, default=0.85, help="consecutive-step overlap")
-    ap.add_argument("--buckets", type=int, default=64, help="PB-LRU recent buckets n_b")
+    ap.add_argument("--buckets", type=int, default=DEFAULT_BUCKETS,
+                    help="PB-LRU recent buckets n_b")
     ap.add_argument("--steps", type=int, default=96,
                     help="timed steps per size (more than n_b, so buckets age into cold)")
     ap.add_argument("--warmup", type=int, default=3)

@@ -40,6 +40,18 @@ def test_trace_misses_json_contract():
     assert misses == {"lru": 54, "pblru": 55, "pblru_per_round": 181}
 
 
+def test_trace_misses_compares_bucket_counts():
+    """``--compare-buckets N`` replaces the per-round column by PB-LRU at N buckets (the
+    figures of docs/benchmarks.md for this layer: 32 buckets, 53 misses)."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "trace_misses.py"),
+         str(ROOT / "tests" / "fixtures" / "typing-py-1024-k64.trace.npz"), "--layers", "0",
+         "--sizes", "512", "--json", "--compare-buckets", "32"],
+        capture_output=True, text=True, check=True, timeout=300)
+    misses = {v: by["512"] for v, by in json.loads(out.stdout)["misses"].items()}
+    assert misses == {"lru": 54, "pblru": 55, "pblru_32_buckets": 53}
+
+
 def test_tp_control_json_contract():
     """Owner-held vs replicated control metadata: replication multiplies the ops and the
     metadata by P (fixed-shape code), owner-held exchanges the int32 slot tables."""

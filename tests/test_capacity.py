@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from ulacache.pblru import DEFAULT_BUCKETS
 from ulacache.tools import capacity as cap
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,7 +112,7 @@ def test_ulacache_against_hisparse_and_sharded_keys_beat_replicated(model, layou
 
 def test_ulacache_dp_charge_is_the_sizing_hooks():
     """DeepSeek-V3.2 FP8, cpu_ratio 4 (docs/sglang.md's example): SGLang's cell 80,276 B
-    (61 x (656 + 5 x 132)) + ulacache's tables and fused call scratch 2,796 B per GPU slot, the
+    (61 x (656 + 5 x 132)) + ulacache's tables and fused call scratch 2,416 B per GPU slot, the
     formula's own figure;
     fixed: the tables' fixed bytes + the tail page (64 rows per layer) + the coordinator's
     output rows for 64 running requests + the padding row (61 groups x 65 x 2048 x 4 B + 65 x
@@ -120,10 +121,11 @@ def test_ulacache_dp_charge_is_the_sizing_hooks():
     from ulacache.sizing import table_bytes_per_slot
 
     inp = inputs("dsv32", "fp8", host_gb=10**6)
-    per, fixed = table_bytes_per_slot(61, ratio=5, page_size=64, n_buckets=64, policy="pblru")
-    assert (inp.groups, per) == (61, 2796)
+    per, fixed = table_bytes_per_slot(61, ratio=5, page_size=64, n_buckets=DEFAULT_BUCKETS,
+                                      policy="pblru")
+    assert (inp.groups, per) == (61, 2416)
     cell, fix = cap.ulacache_dp_charge(inp, 4)
-    assert cell == 61 * (656 + 5 * 132) + per == 80276 + 2796
+    assert cell == 61 * (656 + 5 * 132) + per == 80276 + 2416
     # + the prefill stage: 163,840 context rows + sink page + scratch, in whole pages
     assert inp.stage_bytes == 163968 * 656
     assert fix == fixed + 64 * 61 * 656 + 32481800 + 163968 * 656
@@ -132,7 +134,7 @@ def test_ulacache_dp_charge_is_the_sizing_hooks():
     # the tables' per-slot cost grows with the ratio (mapping, claim table)
     cells = [cap.ulacache_dp_charge(inp, c)[0] - 61 * (656 + 132 * (1 + c)) for c in range(6)]
     assert cells == sorted(cells) and len(set(cells)) == 6
-    assert cap.ulacache_dp_charge(inputs(), 4)[0] - 78 * (656 + 5 * 132) == 3561  # GLM-5
+    assert cap.ulacache_dp_charge(inputs(), 4)[0] - 78 * (656 + 5 * 132) == 3076  # GLM-5
 
 
 def test_ulacache_tp_charge_is_the_sizing_hooks():
@@ -144,11 +146,11 @@ def test_ulacache_tp_charge_is_the_sizing_hooks():
 
     inp = inputs("dsv32", "fp8")
     B = cap.tp_buffer_rows(inp, 64)
-    per, fixed = table_bytes_per_slot(61, ratio=5, page_size=64, n_buckets=64, policy="pblru",
-                                      tp_size=8, buffer_slots=B, layers=61)
+    per, fixed = table_bytes_per_slot(61, ratio=5, page_size=64, n_buckets=DEFAULT_BUCKETS,
+                                      policy="pblru", tp_size=8, buffer_slots=B, layers=61)
     cell, fix = cap.ulacache_tp_charge(inp, 4, B)
     assert cell == -(-61 * 656 // 8) + 5 * 61 * 132 + per
-    assert cell - per == 45262 and per == 366  # docs/sglang.md's DeepSeek-V3.2 TP8 example
+    assert cell - per == 45262 and per == 319  # docs/sglang.md's DeepSeek-V3.2 TP8 example
     assert fix == fixed + (B + 128) * 61 * 656 + 32481800
     shard_cell, shard_fix = cap.ulacache_tp_charge(inp, 4, B, shard_index=True)
     # striped (stripe_index_k): index-K / P per token, three pages per indexer layer fixed
@@ -164,9 +166,10 @@ def _hand_fixed(inp, mode, c, running, buffer_rows=0):
     from ulacache.sizing import table_bytes_per_slot
 
     tp = mode == "tp"
-    _, fixed = table_bytes_per_slot(inp.groups, ratio=1 + c, page_size=64, n_buckets=64,
-                                    policy="pblru", tp_size=8 if tp else 1,
-                                    buffer_slots=buffer_rows, layers=inp.layers if tp else 0)
+    _, fixed = table_bytes_per_slot(inp.groups, ratio=1 + c, page_size=64,
+                                    n_buckets=DEFAULT_BUCKETS, policy="pblru",
+                                    tp_size=8 if tp else 1, buffer_slots=buffer_rows,
+                                    layers=inp.layers if tp else 0)
     stage = -(-(64 + cap.CONTEXT_LEN[inp.model] + 1) // 64) * 64 * inp.row
     rows = (buffer_rows + 128) * inp.lat if tp else 64 * inp.lat + stage
     steps = (running + 1) * inp.draft_tokens

@@ -30,14 +30,14 @@ import torch
 
 from .bufmap import BufferMap
 from .group import NO_CLAIM, first_occurrence, new_claim_table
-from .pblru import ReplacementPolicy, make_policy
+from .pblru import DEFAULT_BUCKETS, ReplacementPolicy, make_policy
 
 
 class LocalBuffer:
     """Metadata of ``n_slots`` buffer rows over global addresses ``[0, n_logical)``."""
 
     def __init__(self, n_logical: int, n_slots: int, device: torch.device,
-                 policy: str | ReplacementPolicy = "pblru", n_buckets: int = 64,
+                 policy: str | ReplacementPolicy = "pblru", n_buckets: int = DEFAULT_BUCKETS,
                  claim: torch.Tensor | None = None):
         self.n_logical, self.n_slots, self.device = n_logical, n_slots, device
         self.map = BufferMap(n_slots, device)

@@ -15,7 +15,7 @@ from msgspec import Meta
 
 from .errors import ConfigError
 from .layout import RowLayout
-from .pblru import POLICIES
+from .pblru import DEFAULT_BUCKETS, POLICIES
 
 # Row ids handed to attention are int32 and SGLang adds a page of offset: keep them in range.
 MAX_GPU_SLOTS = 2**31 - 2**17
@@ -182,7 +182,7 @@ class UlaCacheConfig(_Checked, frozen=True, forbid_unknown_fields=True, kw_only=
     cpu_slots: Annotated[int, Meta(ge=0, le=MAX_CPU_SLOTS)] = 4096
     page_size: Annotated[int, Meta(ge=1, le=1 << 16)] = 64  # SGLang: 64-token pages; 1 = tokens
     max_requests: Annotated[int, Meta(ge=1, le=1 << 24)] = 256
-    n_buckets: Buckets = 64  # PB-LRU recent buckets (n_b)
+    n_buckets: Buckets = DEFAULT_BUCKETS  # PB-LRU recent buckets (n_b)
     policy: PolicyName = "pblru"  # exact LRU ("lru") is the baseline
     validate: bool = True  # host-side input checks outside graph capture (they sync the GPU)
     tp_size: Annotated[int, Meta(ge=1, le=8)] = 1  # ranks striping one address space (TP mode)
@@ -276,7 +276,7 @@ class SGLangOptions(_Checked, frozen=True, forbid_unknown_fields=True, kw_only=T
 
     mode: Literal["dp", "tp"] = "dp"
     cpu_ratio: Annotated[int, Meta(ge=0, le=1024)] = 4
-    n_buckets: Buckets = 64
+    n_buckets: Buckets = DEFAULT_BUCKETS
     policy: PolicyName = "pblru"
     validate: bool = False  # host-side checks on every step (debugging; syncs the GPU)
     buffer_slots: Optional[Annotated[int, Meta(ge=1, le=MAX_GPU_SLOTS)]] = None  # TP only

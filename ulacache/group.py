@@ -40,7 +40,7 @@ from ulacache.kernels.dispatch import gather_rows, swap_rows
 
 from .config import CALL_FLOOR
 from .errors import AddressError, CapacityExhausted, ConfigError, ShapeError
-from .pblru import PBLRU, PBLRUArena, ReplacementPolicy, make_policy
+from .pblru import DEFAULT_BUCKETS, PBLRU, PBLRUArena, ReplacementPolicy, make_policy
 from .pools import TierPools, allocate, resolve_device
 from .state import GroupTables
 from .streams import capturing
@@ -311,7 +311,7 @@ class SelectionGroup:
     def __init__(self, layers: list[int], n_logical: int, gpu_slots: int, cpu_slots: int,
                  row_bytes: int, device: torch.device | str = "cpu",
                  policy: str | ReplacementPolicy = "pblru",
-                 n_buckets: int = 64, validate: bool = True,
+                 n_buckets: int = DEFAULT_BUCKETS, validate: bool = True,
                  gpu_storage: torch.Tensor | None = None, counters: torch.Tensor | None = None,
                  claim: torch.Tensor | None = None, access_path: str = "auto",
                  max_call: int | None = None, scratch=None, row_base: int = 0,

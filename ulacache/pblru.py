@@ -27,11 +27,15 @@ import torch
 from .errors import ShapeError
 from .pools import resolve_device
 
-__all__ = ["ReplacementPolicy", "PBLRU", "PBLRUArena", "ExactLRU", "POLICIES", "make_policy"]
+__all__ = ["ReplacementPolicy", "PBLRU", "PBLRUArena", "ExactLRU", "POLICIES", "make_policy",
+           "DEFAULT_BUCKETS"]
 
 WORD_BITS = 63  # bits per int64 word: bit 63 unused, so +/- 2**b scatter-adds never overflow
 SUPER = 16  # words per superblock (second level of the count hierarchy)
 HYPER = 64  # superblocks per hyper block (third level: the fused kernels' victim search)
+DEFAULT_BUCKETS = 32
+"""PB-LRU's recent buckets ``n_b`` wherever none is given (config, sizing, tools). Each
+bucket is one bitmap row per group (8 B + a 4 B word count per 63 slots): ``n_b + 3`` rows."""
 COLD_ROUND_AGE = 2
 """A prefetched slot's round stamp is this far behind the current round: older than the
 shadow reclaim's recent rounds (``ulacache.group.RECLAIM_RECENT_ROUNDS``), never pinned."""
@@ -176,7 +180,8 @@ class PBLRU(ReplacementPolicy):
     recency resolution) stay cheap, where exact LRU must scan all G timestamps.
     """
 
-    def __init__(self, n_slots: int, n_buckets: int = 64, device: torch.device | str = "cpu",
+    def __init__(self, n_slots: int, n_buckets: int = DEFAULT_BUCKETS,
+                 device: torch.device | str = "cpu",
                  bucket_fill: int | None = None, hyper: int = HYPER,
                  arena: tuple[PBLRUArena, int] | None = None):
         if n_slots < 1 or n_buckets < 2:
@@ -449,7 +454,7 @@ class PBLRUArena:
     so the same geometry. The per-slot stamps stay per policy (a round start never reads them).
     """
 
-    def __init__(self, n: int, n_slots: int, n_buckets: int = 64,
+    def __init__(self, n: int, n_slots: int, n_buckets: int = DEFAULT_BUCKETS,
                  device: torch.device | str = "cpu", bucket_fill: int | None = None,
                  hyper: int = HYPER):
         if n < 1:
@@ -536,7 +541,7 @@ POLICIES: dict[str, type[ReplacementPolicy]] = {"pblru": PBLRU, "lru": ExactLRU}
 """Policy names (config ``policy``) -> classes. The one registry of legal names."""
 
 
-def make_policy(name: str, n_slots: int, n_buckets: int = 64,
+def make_policy(name: str, n_slots: int, n_buckets: int = DEFAULT_BUCKETS,
                 device: torch.device | str = "cpu") -> ReplacementPolicy:
     """A policy by registered name (see :data:`POLICIES`)."""
     if name not in POLICIES:

@@ -14,7 +14,7 @@ from .bufmap import map_bytes
 from .config import CALL_FLOOR
 from .errors import ConfigError
 from .group import COUNTERS
-from .pblru import HYPER, POLICIES, SUPER, WORD_BITS
+from .pblru import DEFAULT_BUCKETS, HYPER, POLICIES, SUPER, WORD_BITS
 
 __all__ = ["Affine", "TPTables", "table_bytes", "table_bytes_per_slot", "call_scratch_bytes",
            "coordinator_output_bytes", "host_table_bytes", "CPU_FREE_STACK_BYTES"]
@@ -96,7 +96,7 @@ class TPTables:
 
 
 def table_bytes(groups: int, *, n_logical: int | Affine, gpu_slots: int | Affine,
-                n_buckets: int = 64, policy: str = "pblru",
+                n_buckets: int = DEFAULT_BUCKETS, policy: str = "pblru",
                 tp: TPTables | None = None, call_scratch: bool = True,
                 call_entries: int | None = None, prefetch: bool = False,
                 deferred_moves: bool = False) -> tuple[int, int]:
@@ -179,7 +179,8 @@ def call_scratch_bytes(groups: int, capacity: int | Affine, tp: bool) -> Affine:
     return total
 
 
-def table_bytes_per_slot(groups: int, *, ratio: int, page_size: int, n_buckets: int = 64,
+def table_bytes_per_slot(groups: int, *, ratio: int, page_size: int,
+                         n_buckets: int = DEFAULT_BUCKETS,
                          policy: str = "pblru", tp_size: int = 1, buffer_slots: int = 0,
                          layers: int = 0, call_scratch: bool = True,
                          call_entries: int | None = None, prefetch: bool = False,

@@ -126,7 +126,11 @@ def _replay(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(args.threads)  # timings stable from run to run (bench scripts alike)
+    from ulacache.pblru import DEFAULT_BUCKETS
+
     from .traces import load_trace
+
+    buckets = DEFAULT_BUCKETS if args.buckets is None else args.buckets
 
     t_start = time.perf_counter()
     trace = load_trace(path)
@@ -139,7 +143,7 @@ def _replay(args: argparse.Namespace) -> int:
         res = replay_tp(trace, tp_size=args.tp_size, requests=args.requests, steps=args.steps,
                         layers=layers, gpu_slots=args.gpu_slots, cpu_slots=args.cpu_slots,
                         buffer_slots=args.buffer_slots, layout=args.layout,
-                        n_buckets=args.buckets)
+                        n_buckets=buckets)
         logger.info("TP replay: %.1f s", time.perf_counter() - t_start)
         print(json.dumps({"trace": str(path), "mode": "tp", **res.to_dict()}) if args.json
               else format_tp_results(trace, res))
@@ -156,7 +160,7 @@ def _replay(args: argparse.Namespace) -> int:
     gpu_slots = hisparse_gpu_rows(args.requests, h)  # equal GPU memory
     policy = args.policy or "pblru"
     kw = dict(requests=args.requests, steps=args.steps, layers=layers, gpu_slots=gpu_slots,
-              cpu_slots=args.cpu_slots, layout=args.layout, n_buckets=args.buckets,
+              cpu_slots=args.cpu_slots, layout=args.layout, n_buckets=buckets,
               progress=not args.json)
     t0 = time.perf_counter()
     kw["shadows"] = args.shadows != "off"
@@ -291,7 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--cpu-slots", type=_int_at_least(0), default=None,
                     help="CPU slots per group (default: the rest of the live history)")
     rp.add_argument("--layout", default="fp8", choices=["fp8", "bf16"])
-    rp.add_argument("--buckets", type=_int_at_least(2), default=64, help="PB-LRU recent buckets")
+    rp.add_argument("--buckets", type=_int_at_least(2), default=None,
+                    help="PB-LRU recent buckets (default: the config's n_buckets)")
     rp.add_argument("--mode", default="dp", choices=["dp", "tp"],
                     help="dp: one rank, every policy; tp: P ranks striping one address space")
     rp.add_argument("--tp-size", type=_int_at_least(1), default=1,

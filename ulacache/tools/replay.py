@@ -23,6 +23,7 @@ import torch
 
 from ulacache.cache import UlaCache
 from ulacache.config import PrefetchConfig, UlaCacheConfig
+from ulacache.pblru import DEFAULT_BUCKETS
 from ulacache.prefetch import PrefetchEngine
 
 from .progress import bar as _progress
@@ -166,7 +167,7 @@ def plan_requests(trace: Trace, requests: int, steps: int) -> list[int]:
 
 def replay(trace: Trace, *, requests: int = 4, steps: int = 256, layers: list[int] | None = None,
            gpu_slots: int | None = None, cpu_slots: int | None = None, layout: str = "fp8",
-           policy: str = "pblru", n_buckets: int = 64, page_size: int = 64,
+           policy: str = "pblru", n_buckets: int = DEFAULT_BUCKETS, page_size: int = 64,
            progress: bool = False, shadows: bool = True,
            prefetch: PrefetchConfig | None = None) -> ReplayResult:
     """Replay ``trace`` through a :class:`UlaCache`; see the module docstring. ``prefetch``:

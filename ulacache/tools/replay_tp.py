@@ -28,6 +28,7 @@ from ulacache.cache import UlaCache
 from ulacache.config import UlaCacheConfig
 from ulacache.group import occupancy
 from ulacache.ipc import run_ranks
+from ulacache.pblru import DEFAULT_BUCKETS
 
 from .replay import plan_requests
 from .traces import Trace
@@ -93,7 +94,7 @@ class TPReplayResult:
 def replay_tp(trace: Trace, *, tp_size: int = 4, requests: int = 4, steps: int = 256,
               layers: list[int] | None = None, gpu_slots: int | None = None,
               cpu_slots: int | None = None, buffer_slots: int | None = None,
-              layout: str = "fp8", policy: str = "pblru", n_buckets: int = 64,
+              layout: str = "fp8", policy: str = "pblru", n_buckets: int = DEFAULT_BUCKETS,
               page_size: int = 64, shadows: bool = True) -> TPReplayResult:
     """Replay ``trace`` through ``tp_size`` ranks; see the module docstring. Pool sizes are
     per rank and group: GPU ``256 x requests / P``, CPU the rest of the rank's share of the

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ulacache.group import COUNTERS, SelectionGroup, advance_policies
-from ulacache.pblru import PBLRUArena, ReplacementPolicy
+from ulacache.pblru import DEFAULT_BUCKETS, PBLRUArena, ReplacementPolicy
 
 _TIMED = ("touch", "victims", "advance", "release", "eligible")
 
@@ -68,7 +68,8 @@ class Residency:
     :class:`SelectionGroup` (zero layers; ``cpu_slots = n_logical``, so nothing is refused
     for lack of CPU room). ``validate`` is off, as in serving."""
 
-    def __init__(self, policy: str, gpu_slots: int, n_logical: int, n_buckets: int = 64,
+    def __init__(self, policy: str, gpu_slots: int, n_logical: int,
+                 n_buckets: int = DEFAULT_BUCKETS,
                  device: torch.device | str = "cpu", bucket_fill: int | None = None,
                  access_path: str = "auto", layers: int = 0, row_bytes: int = 16,
                  shadows: bool = True, cpu_slots: int | None = None):
@@ -137,7 +138,7 @@ class Residency:
 
 
 def simulate_trace(selections: Iterable[torch.Tensor], positions: Iterable[int], policy: str,
-                   gpu_slots: int, n_tokens: int, n_buckets: int = 64,
+                   gpu_slots: int, n_tokens: int, n_buckets: int = DEFAULT_BUCKETS,
                    bucket_fill: int | None = None) -> SimResult:
     """One request decoding a recorded trace: the prompt before the first step is placed,
     then each step places its query token and accesses that step's selections
