@@ -645,6 +645,13 @@ def pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
+def row_tile(n_buckets: int) -> int:
+    """Lanes of the victim search's tile over PB-LRU's ``n_b + 2`` ordered rows: a power of two,
+    at least 128. Why the floor: at 64 lanes (32 buckets) ptxas gives G3 an 8-byte stack frame
+    on sm_90 (``kernels/fused_compile.py`` refuses any); the masked lanes cost a few adds."""
+    return max(128, pow2(n_buckets + 2))
+
+
 def _word_view(pool: torch.Tensor) -> torch.Tensor:
     """``pool`` (``uint8 [L, R, row_bytes]``) as the widest integer words its row size,
     strides and address allow (fewer, wider loads in the copy loops); a view, no copy."""
@@ -720,7 +727,7 @@ class FusedAccess:
         p = tables.policy
         self.nb = p.n_buckets
         self.w1, self.s1, self.h1 = p.n_words + 16, p.n_super + 1, p.n_hyper + 1
-        self.rp = pow2(p.n_buckets + 2)
+        self.rp = row_tile(p.n_buckets)
         self.hp = pow2(p.n_hyper)
         # shared by the groups of an address space (they run one at a time on one stream)
         self.shared_scratch = scratch if scratch is not None else \

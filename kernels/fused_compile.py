@@ -40,6 +40,7 @@ def record_launches(n_layers: int = 2, gpu_slots: int = 4096, row_bytes: int = 6
     own access and its gates, a round start and a release on a CPU group of this geometry,
     recorded instead of launched."""
     from ulacache.group import SelectionGroup
+    from ulacache.pblru import DEFAULT_BUCKETS
 
     from . import fused_access as fa
 
@@ -50,7 +51,7 @@ def record_launches(n_layers: int = 2, gpu_slots: int = 4096, row_bytes: int = 6
 
     group, no_shadows = (
         SelectionGroup(list(range(n_layers)), gpu_slots * 4, gpu_slots, gpu_slots * 2,
-                       row_bytes, "cpu", "pblru", 64, False, access_path="torch",
+                       row_bytes, "cpu", "pblru", DEFAULT_BUCKETS, False, access_path="torch",
                        max_call=shape[0] * shape[1], shadows=shadows) for shadows in (True, False))
     fused = fa.FusedAccess(group.tables)
     with fa.launches_recorded(record):
@@ -86,7 +87,7 @@ def record_launches(n_layers: int = 2, gpu_slots: int = 4096, row_bytes: int = 6
         from . import fused_policy
         from .fused_release import FusedRelease
 
-        fused_policy.advance(PBLRUArena(2, gpu_slots, 64))  # a round start
+        fused_policy.advance(PBLRUArena(2, gpu_slots, DEFAULT_BUCKETS))  # a round start
         FusedRelease(group.tables).run(addrs)
     return calls
 

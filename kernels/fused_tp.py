@@ -118,8 +118,8 @@ if fa.triton is not None:
             tl.store(table + p, tl.full(p.shape, -1, tl.int32), mask=hit)
 
     @triton.jit
-    def _g2_first_hits(addrs, claim, table, bmap, holder, status, block_want, victim_out, src_rank,
-                       src_slot, dst_row, counters, dp_counters,
+    def _g2_first_hits(addrs, claim, table, bmap, holder, status, block_want, victim_out,
+                       counters, dp_counters,
                        bits, counts, supc, hypc, rowc, round_of, ring_of, round_ptr, epoch_ptr,
                        entered, n, N, P, RANK, W1, S1, H1, NBK,
                        NB: tl.constexpr, HY: tl.constexpr, BLOCK: tl.constexpr):
@@ -142,11 +142,8 @@ if fa.triton is not None:
         want = first & theirs & ~hit & (oslot >= 0)
         tl.store(status + i, tl.where(want, WANT, 0), mask=live)
         tl.store(block_want + pid, tl.sum(want.to(tl.int32)))
-        none = tl.full(a.shape, -1, tl.int64)  # defaults; G3 writes its wants' entries only
-        tl.store(victim_out + i, none, mask=live)
-        tl.store(src_rank + i, none.to(tl.int32), mask=live)
-        tl.store(src_slot + i, none.to(tl.int32), mask=live)
-        tl.store(dst_row + i, none.to(tl.int32), mask=live)
+        # default; G3 writes its wants' entries only
+        tl.store(victim_out + i, tl.full(a.shape, -1, tl.int64), mask=live)
         tl.atomic_add(counters + T_SELECTED, tl.sum(first.to(tl.int64)), sem="relaxed")
         tl.atomic_add(counters + T_OWN, tl.sum((first & mine).to(tl.int64)), sem="relaxed")
         tl.atomic_add(counters + T_HITS, tl.sum((first & hit).to(tl.int64)), sem="relaxed")
@@ -159,9 +156,9 @@ if fa.triton is not None:
                       tl.sum((theirs & (oslot == INVALID_ROW)).to(tl.int64)), sem="relaxed")
 
     @triton.jit
-    def _g3_claim_slots(addrs, table, status, block_want, victim_out, counters,
+    def _g3_claim_slots(addrs, status, block_want, victim_out, counters,
                         bits, counts, supc, hypc, rowc, epoch_ptr, bmap, holder,
-                        src_rank, src_slot, dst_row, n, G, B, P, W1, S1, H1, NS, NH, NBK,
+                        n, B, W1, S1, H1, NS, NH, NBK,
                         NB: tl.constexpr, RP: tl.constexpr, HP: tl.constexpr, HY: tl.constexpr,
                         HYP2: tl.constexpr, BP: tl.constexpr, SUB: tl.constexpr,
                         BLOCK: tl.constexpr):
@@ -188,20 +185,15 @@ if fa.triton is not None:
                 evict = ok & (old >= 0)
                 map_erase(bmap, old, victim, evict, pos, NBK)
                 tl.store(holder + vs, a, mask=ok)
-                owner = tl.where(ok, a % P, 0)
-                oslot = tl.load(table + owner * n + i, mask=ok, other=-1).to(tl.int64)
-                tl.store(src_rank + i, tl.where(ok, owner, -1).to(tl.int32), mask=want)
-                tl.store(src_slot + i, tl.where(ok, oslot, -1).to(tl.int32), mask=want)
-                tl.store(dst_row + i, tl.where(ok, G + 1 + victim, -1).to(tl.int32), mask=want)
-                tl.store(victim_out + i, victim, mask=want)
+                tl.store(victim_out + i, victim, mask=want)  # G4 lists the copy in the plan
                 tl.atomic_add(counters + T_FETCHES, tl.sum(ok.to(tl.int64)), sem="relaxed")
                 tl.atomic_add(counters + T_OVERFLOW, tl.sum((want & ~ok).to(tl.int64)),
                               sem="relaxed")
                 tl.atomic_add(counters + T_EVICTIONS, tl.sum(evict.to(tl.int64)), sem="relaxed")
 
     @triton.jit
-    def _g4_assign_rows(addrs, own, victim_in, out, bmap, holder,
-                        bits, counts, supc, hypc, rowc, round_of, ring_of, round_ptr,
+    def _g4_assign_rows(addrs, own, victim_in, out, bmap, holder, table, src_rank, src_slot,
+                        dst_row, bits, counts, supc, hypc, rowc, round_of, ring_of, round_ptr,
                         epoch_ptr, entered, n, N, G, P, RANK, W1, S1, H1, row_base, NBK,
                         NB: tl.constexpr, HY: tl.constexpr, BLOCK: tl.constexpr):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -210,6 +202,14 @@ if fa.triton is not None:
         touch_slots(bits, counts, supc, hypc, rowc, round_of, ring_of, round_ptr, epoch_ptr,
                entered, victim, victim >= 0, W1, S1, H1, NB, HY, True)
         a = tl.load(addrs + i, mask=live, other=-1).to(tl.int64)
+        # the plan (int32, every live entry): a claimed slot is a copy to fetch from its owner
+        # (written here, not in G3, whose victim search is at the register limit)
+        fetch = live & (victim >= 0)
+        owner = tl.where(fetch, a % P, 0)
+        oslot = tl.load(table + owner * n + i, mask=fetch, other=-1)
+        tl.store(src_rank + i, tl.where(fetch, owner, -1).to(tl.int32), mask=live)
+        tl.store(src_slot + i, tl.where(fetch, oslot, -1), mask=live)
+        tl.store(dst_row + i, tl.where(fetch, G + 1 + victim, -1).to(tl.int32), mask=live)
         inrange = live & (a >= 0) & (a < N)
         mine = inrange & (a % P == RANK)
         theirs = inrange & ~mine
@@ -289,16 +289,15 @@ class FusedGates:
         N = b.n_logical
         bmap, nbk = b.map.table, b.map.n_buckets
         fa.launch(_g2_first_hits, grid, addrs, b.claim_table, table, bmap, b.holder, status,
-                   block_want, victim, *plan, counters, dp_counters, *pol, *stamps, n, N,
+                   block_want, victim, counters, dp_counters, *pol, *stamps, n, N,
                    self.P, self.rank, self.w1, self.s1, self.h1, nbk, NB=self.nb, HY=self.hy,
                    BLOCK=self.BLOCK)
-        fa.launch(_g3_claim_slots, grid, addrs, table, status, block_want, victim, counters,
-                   *pol, p.epoch_t, bmap, b.holder, *plan, n, self.G, b.n_slots, self.P,
-                   self.w1, self.s1, self.h1, p.n_super, p.n_hyper, nbk, NB=self.nb,
-                   RP=fa.pow2(self.nb + 2), HP=fa.pow2(p.n_hyper), HY=self.hy,
-                   HYP2=fa.pow2(self.hy), BP=fa.pow2(grid[0]), SUB=self.SUB,
-                   BLOCK=self.BLOCK)
-        fa.launch(_g4_assign_rows, grid, addrs, own, victim, out, bmap, b.holder, *pol,
-                   *stamps, n, N, self.G, self.P, self.rank, self.w1, self.s1, self.h1,
+        fa.launch(_g3_claim_slots, grid, addrs, status, block_want, victim, counters,
+                   *pol, p.epoch_t, bmap, b.holder, n, b.n_slots, self.w1, self.s1, self.h1,
+                   p.n_super, p.n_hyper, nbk, NB=self.nb, RP=fa.row_tile(self.nb),
+                   HP=fa.pow2(p.n_hyper), HY=self.hy, HYP2=fa.pow2(self.hy),
+                   BP=fa.pow2(grid[0]), SUB=self.SUB, BLOCK=self.BLOCK)
+        fa.launch(_g4_assign_rows, grid, addrs, own, victim, out, bmap, b.holder, table, *plan,
+                   *pol, *stamps, n, N, self.G, self.P, self.rank, self.w1, self.s1, self.h1,
                    self.row_base, nbk, NB=self.nb, HY=self.hy, BLOCK=self.BLOCK)
         return tuple(plan)
