@@ -169,6 +169,11 @@ FUSED_TP_MUTANTS = [  # the fused TP gates and the striped own access, vs the to
      "fused TP: buffer hits not pinned"),
     (FT, "                map_erase(bmap, old, victim, evict, pos, NBK)\n", "",
      "fused TP: an evicted copy stays mapped"),
+    (FT, "tl.where(fetch, G + 1 + victim, -1).to(tl.int32)",
+     "tl.where(fetch, G + victim, -1).to(tl.int32)", "fused TP: the plan's rows off by one"),
+    (FT, "oslot = tl.load(table + owner * n + i, mask=fetch, other=-1)",
+     "oslot = tl.load(table + i, mask=fetch, other=-1)",
+     "fused TP: the plan reads rank 0's slots"),
     (FT, "tl.where(theirs & (bslot >= 0), G + 1 + bslot, -1))",
      "tl.where(theirs & (bslot >= 0), G + bslot, -1))", "fused TP: buffer rows off by one"),
 ]
