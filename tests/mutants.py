@@ -20,8 +20,9 @@ changed the way a tired engineer might), runs the core tests there twice with th
 Hypothesis examples (shrinking off: a failure is all that matters), and reports whether both runs
 failed. Not collected by pytest (the file name does not start with ``test_``).
 
-Last run of ``bufmap tp`` (2026-12-06, after the TP buffer map became a hash table): 16 of 16
-caught by every run (~8 min on 2 cores).
+Last run of ``bufmap tp fused_tp`` (2026-12-06, night: the long-release slot walk, the int32
+plan written by G4, 32 PB-LRU buckets): 25 of 25 caught by every run (11 min on 2 cores).
+Before, ``bufmap tp`` (the same day, after the TP buffer map became a hash table): 16 of 16.
 Before (2026-12-06, after the int32 claim tables, the host-side CPU free stacks and PB-LRU's
 int16 stamps): ``core fused fused_round shadows fused_shadows prefetch`` 75 of 76 caught by
 both runs (25 min on 2 cores, beside other work); the miss, "fused: a re-touch restamps the
