@@ -7,8 +7,9 @@ all-gather of the owners' slot tables, then these four launches, which make the 
 as the torch gates in ``tp.py`` (tests hold every table, plan entry, counter and byte equal):
 
 ====  =====================================================================================
-G1    every in-range address claims its first position in the buffer's claim table
-G2    first occurrence (the first resets the claim); peers' rows already buffered are
+G1    every in-range address finds its entry in the call's claim hash (inserted by the
+      first lane to reach it) and claims it with its position (``atomic_min``)
+G2    first occurrence (the first resets the hash entry); peers' rows already buffered are
       touched (pinned this round); the rest whose owner served them want a buffer slot;
       per-block counts of wants; counters (selected, own rows, buffer hits, peer missing)
 G3    rank of each want, its buffer slot (the buffer's PB-LRU victim order, same search as
@@ -42,7 +43,6 @@ if fa.triton is not None:
         C_INVALID,
         INVALID_ROW,
         NO_CLAIM,
-        claim_in_range,
         find_victims,
         touch_slots,
         victim_order,
@@ -54,6 +54,8 @@ if fa.triton is not None:
     T_MISSING, T_OVERFLOW, T_EVICTIONS = (_t["peer_missing"], _t["buffer_overflow"],
                                           _t["buffer_evictions"])
     WANT = tl.constexpr(1)
+    EMPTY, NEVER = tl.constexpr(-1), tl.constexpr(-2)  # claim hash: a free entry; no entry
+    HASH_MULT = tl.constexpr(2654435761)  # Knuth's multiplicative hash (addresses < 2**31)
     WAYS, SPILL = tl.constexpr(bufmap.WAYS), tl.constexpr(bufmap.SPILL)
     HASH1, HASH2 = tl.constexpr(bufmap.HASH1), tl.constexpr(bufmap.HASH2)
 
@@ -118,7 +120,32 @@ if fa.triton is not None:
             tl.store(table + p, tl.full(p.shape, -1, tl.int32), mask=hit)
 
     @triton.jit
-    def _g2_first_hits(addrs, claim, table, bmap, holder, status, block_want, victim_out,
+    def _g1_claim_hashed(addrs, keys, vals, hslot, n, N, H, BLOCK: tl.constexpr):
+        """Every in-range entry finds its address's entry in the open-addressing hash
+        ``keys int32 [H]`` (linear probing from a multiplicative hash; the first lane to reach
+        an empty entry inserts it with ``atomic_cas``; entries are never removed during the
+        launch, so lanes with equal addresses stop at the same entry), claims it with its
+        position (``atomic_min`` into ``vals``) and leaves the entry's index in ``hslot``.
+        ``H >= 2 n``: the probe always ends."""
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        live = i < n
+        a = tl.load(addrs + i, mask=live, other=-1).to(tl.int64)
+        inrange = live & (a >= 0) & (a < N)
+        key = tl.where(inrange, a, 0).to(tl.int32)
+        slot = tl.where(inrange, (a * HASH_MULT) % H, 0)
+        pending = inrange
+        while tl.max(pending.to(tl.int32), axis=0) > 0:
+            # lanes no longer probing compare against a key no entry holds: no write
+            prev = tl.atomic_cas(keys + slot, tl.where(pending, EMPTY, NEVER).to(tl.int32), key,
+                                 sem="relaxed")
+            pending = pending & (prev != EMPTY) & (prev != key)
+            slot = tl.where(pending, (slot + 1) % H, slot)
+        tl.atomic_min(vals + slot, i.to(tl.int32), mask=inrange, sem="relaxed")
+        tl.store(hslot + i, slot.to(tl.int32), mask=live)
+
+    @triton.jit
+    def _g2_first_hits(addrs, hslot, keys, vals, table, bmap, holder, status, block_want,
+                       victim_out,
                        counters, dp_counters,
                        bits, counts, supc, hypc, rowc, round_of, ring_of, round_ptr, epoch_ptr,
                        entered, n, N, P, RANK, W1, S1, H1, NBK,
@@ -128,9 +155,11 @@ if fa.triton is not None:
         live = i < n
         a = tl.load(addrs + i, mask=live, other=-1).to(tl.int64)
         inrange = live & (a >= 0) & (a < N)
-        safe = tl.where(inrange, a, N)
-        first = inrange & (tl.load(claim + safe, mask=inrange, other=-1) == i)
-        tl.store(claim + safe, tl.full(safe.shape, NO_CLAIM, tl.int32), mask=first)
+        hs = tl.load(hslot + i, mask=inrange, other=0)
+        first = inrange & (tl.load(vals + hs, mask=inrange, other=-1) == i)
+        # the first resets the entry (the others compare their own positions: never equal)
+        tl.store(vals + hs, tl.full(hs.shape, NO_CLAIM, tl.int32), mask=first)
+        tl.store(keys + hs, tl.full(hs.shape, EMPTY, tl.int32), mask=first)
         owner = tl.where(inrange, a % P, 0)
         mine = inrange & (owner == RANK)
         theirs = inrange & ~mine
@@ -221,12 +250,35 @@ if fa.triton is not None:
         tl.store(out + i, row.to(tl.int32), mask=live)
 
 
-GATE_DTYPES = (torch.int32, torch.int64)
-"""Per-entry scratch of one gates call: status and victim (G2 -> G3 -> G4, read by no later
-call), shared by every group of the rank (:meth:`FusedGates.new_scratch`)."""
+GATE_DTYPES = (torch.int32, torch.int64, torch.int32)
+"""Per-entry scratch of one gates call: status and victim (G2 -> G3 -> G4) and the entry's
+claim-hash index (G1 -> G2), read by no later call; shared by every group of the rank
+(:meth:`FusedGates.new_scratch`)."""
 PLAN_DTYPE = torch.int32
 """The plan's entries (src_rank, src_slot, dst_row), per group: every layer of the group reads
 them (:meth:`ulacache.tp.TPAddressSpace.load`) after later groups' gates have run."""
+HASH_EMPTY = -1
+"""A free claim-hash key (addresses are >= 0)."""
+
+
+class GateScratch(fa.Scratch):
+    """One gates call's scratch (:data:`GATE_DTYPES` per entry, per-block counts) and its claim
+    hash ``int32 [2, 2 cap]``: row 0 the keys (addresses, :data:`HASH_EMPTY` when free), row 1
+    the least position that claimed each (``NO_CLAIM`` when none). Twice the call's entries,
+    so linear probing always ends; clean between calls (G2 resets every entry G1 filled).
+    Sized by the call, not by the address space: a rank's buffers need no table over every
+    global address."""
+
+    def __init__(self, device: torch.device, block: int, capacity: int):
+        super().__init__(device, GATE_DTYPES, block, capacity)
+        self.claim_hash = torch.empty(2, 2 * self.cap, dtype=torch.int32, device=device)
+        self.claim_hash[0].fill_(HASH_EMPTY)
+        self.claim_hash[1].fill_(torch.iinfo(torch.int32).max)
+
+    def is_clean(self) -> bool:
+        """Every hash entry free (host read: tests and integrity checks)."""
+        return bool((self.claim_hash[0] == HASH_EMPTY).all()) and \
+            bool((self.claim_hash[1] == torch.iinfo(torch.int32).max).all())
 
 
 class FusedGates:
@@ -239,7 +291,7 @@ class FusedGates:
     BLOCK, SUB = fa.FusedAccess.BLOCK, fa.FusedAccess.SUB
 
     def __init__(self, buffer, gpu_slots: int, rank: int, size: int, capacity: int,
-                 row_base: int = 0, shared: fa.Scratch | None = None) -> None:
+                 row_base: int = 0, shared: GateScratch | None = None) -> None:
         if fa.triton is None:
             raise RuntimeError("the fused TP gates need Triton (pip install triton)")
         self.b, self.G, self.rank, self.P = buffer, gpu_slots, rank, size
@@ -253,22 +305,29 @@ class FusedGates:
         self._plan = torch.empty(3, self._scratch.cap, dtype=PLAN_DTYPE, device=buffer.device)
 
     @classmethod
-    def new_scratch(cls, device: torch.device, capacity: int) -> fa.Scratch:
+    def new_scratch(cls, device: torch.device, capacity: int) -> GateScratch:
         """One gates call's scratch for ``capacity`` entries (shareable by a rank's groups)."""
-        return fa.Scratch(device, GATE_DTYPES, cls.BLOCK, capacity)
+        return GateScratch(device, cls.BLOCK, capacity)
+
+    def claims_clean(self) -> bool:
+        """The shared claim hash is clean (host read: between calls it always is)."""
+        return self._scratch.is_clean()
 
     def scratch(self, n: int) -> tuple[torch.Tensor, ...]:
-        """(status int32 [n], victim int64 [n], plan: src_rank, src_slot, dst_row int32 [n],
-        per-block wants int32); the plan views stay valid until this group's next call."""
-        status, victim, block_want = self._scratch.get(n)
-        return (status, victim, *self._plan[:, :n], block_want)
+        """(status int32 [n], victim int64 [n], hash index int32 [n], plan: src_rank,
+        src_slot, dst_row int32 [n], per-block wants int32); the plan views stay valid until
+        this group's next call."""
+        status, victim, hslot, block_want = self._scratch.get(n)
+        return (status, victim, hslot, *self._plan[:, :n], block_want)
 
     def claim_first(self, addrs: torch.Tensor) -> None:
         """G1 (needs nothing from the peers: issue it before the all-gather)."""
         n = addrs.numel()
         if n:
-            fa.launch(claim_in_range, (-(-n // self.BLOCK),), addrs, self.b.claim_table, n,
-                       self.b.n_logical, BLOCK=self.BLOCK)
+            hslot = self._scratch.get(n)[2]
+            keys, vals = self._scratch.claim_hash
+            fa.launch(_g1_claim_hashed, (-(-n // self.BLOCK),), addrs, keys, vals, hslot, n,
+                       self.b.n_logical, keys.numel(), BLOCK=self.BLOCK)
 
     def run(self, addrs: torch.Tensor, table: torch.Tensor, own: torch.Tensor,
             out: torch.Tensor, counters: torch.Tensor, dp_counters: torch.Tensor
@@ -280,7 +339,7 @@ class FusedGates:
         Returns the plan (src_rank, src_slot, dst_row)."""
         b, p = self.b, self.b.policy
         n = addrs.numel()
-        status, victim, *plan, block_want = self.scratch(n)
+        status, victim, hslot, *plan, block_want = self.scratch(n)
         if n == 0:
             return tuple(plan)
         grid = (-(-n // self.BLOCK),)
@@ -288,7 +347,8 @@ class FusedGates:
         stamps = (p.round_of, p.ring_of, p.round_t, p.epoch_t, p.entered)
         N = b.n_logical
         bmap, nbk = b.map.table, b.map.n_buckets
-        fa.launch(_g2_first_hits, grid, addrs, b.claim_table, table, bmap, b.holder, status,
+        keys, vals = self._scratch.claim_hash
+        fa.launch(_g2_first_hits, grid, addrs, hslot, keys, vals, table, bmap, b.holder, status,
                    block_want, victim, counters, dp_counters, *pol, *stamps, n, N,
                    self.P, self.rank, self.w1, self.s1, self.h1, nbk, NB=self.nb, HY=self.hy,
                    BLOCK=self.BLOCK)

@@ -115,6 +115,8 @@ TP_MUTANTS = [  # TP mode: the striped space and the local buffer, checked by te
     (TPF, "want = b.first(safe, theirs & stored[gi] & (b.lookup(safe) < 0))",
      "want = b.first(safe, theirs & (b.lookup(safe) < 0))",
      "peers copy a row its owner refused"),
+    (BUF, "head[1:] = ranked[1:] != ranked[:-1]", "head[1:] = ranked[1:] >= ranked[:-1]",
+     "the buffer's dedup keeps duplicates"),
     (BUF, "slot = torch.where(want, cand[rank.clamp(min=0)], -1)",
      "slot = torch.where(want, cand[rank.clamp(min=0) // 2], -1)",
      "two copies claim one buffer slot"),
@@ -177,6 +179,14 @@ FUSED_TP_MUTANTS = [  # the fused TP gates and the striped own access, vs the to
      "fused TP: the plan reads rank 0's slots"),
     (FT, "tl.where(theirs & (bslot >= 0), G + 1 + bslot, -1))",
      "tl.where(theirs & (bslot >= 0), G + bslot, -1))", "fused TP: buffer rows off by one"),
+    (FT, "pending = pending & (prev != EMPTY) & (prev != key)",
+     "pending = pending & (prev != EMPTY)",
+     "fused TP: an address found in the claim hash probes on (duplicates both first)"),
+    (FT, "        tl.store(keys + hs, tl.full(hs.shape, EMPTY, tl.int32), mask=first)\n", "",
+     "fused TP: the claim hash keeps its keys (left dirty)"),
+    (FT, "tl.atomic_min(vals + slot, i.to(tl.int32), mask=inrange, sem=\"relaxed\")",
+     "tl.atomic_max(vals + slot, i.to(tl.int32), mask=inrange, sem=\"relaxed\")",
+     "fused TP: the last occurrence claims, not the first"),
 ]
 BM = "ulacache/bufmap.py"
 BUFMAP_TESTS = ["tests/test_bufmap.py", "tests/test_fused_tp.py", "-k",
@@ -200,10 +210,12 @@ BUFMAP_MUTANTS = [  # the TP buffer's hash map, torch (vs a dict) and fused (vs 
     (FT, "m2 = tl.max(tl.where((e2 >= 0) & (k2 == a[:, None]), e2, -1), axis=1)",
      "m2 = tl.max(tl.where((e2 >= 0) & (k2 == a[:, None]), e2, -1), axis=1) * 0 - 1",
      "fused map: the second bucket is never searched"),
-    (BUF, "                              == 0)", "                              != 0)",
+    (BUF, "gone = (held >= 0) & member_of(held, safe)",
+     "gone = (held >= 0) & ~member_of(held, safe)",
      "a long release drops the copies it should keep"),
-    (BUF, "        self.claim_table.index_fill_(0, safe, NO_CLAIM)\n", "",
-     "a long release leaves its marks in the claim table"),
+    (BUF, "at = torch.searchsorted(ranked, values)",
+     "at = torch.searchsorted(ranked, values, right=True)",
+     "a long release misses the addresses it names"),
 ]
 FP, FR = "kernels/fused_policy.py", "kernels/fused_release.py"
 FUSED_ROUND_TESTS = ["tests/test_fused_policy.py"]
@@ -282,9 +294,12 @@ PIECES_MUTANTS = [  # calls larger than the scratch, taken in pieces in one roun
 
 DISTINCT_TESTS = ["tests/test_access_distinct.py"]
 DISTINCT_MUTANTS = [  # a prefill table's one access on its distinct addresses
-    (G, "claim.index_fill_(0, torch.where(inrange & (p >= first), p, n), 0)",
-     "claim.index_fill_(0, torch.where(inrange, p, n), 0)",
+    (G, "mark = inrange & (p >= first) & (p % P == rank)",
+     "mark = inrange & (p % P == rank)",
      "distinct: the sink page below 'first' is accessed"),
+    (G, "mark = inrange & (p >= first) & (p % P == rank)",
+     "mark = inrange & (p >= first)",
+     "distinct: a TP rank lists its peers' addresses as its own"),
     (G, "    claim.fill_(NO_CLAIM)\n    return found, n_distinct, bad",
      "    return found, n_distinct, bad", "distinct: the claim table is left dirty"),
     (G, "        bad += ((p != -1) & ~inrange).sum()", "        bad += (~inrange).sum()",

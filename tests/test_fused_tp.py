@@ -42,7 +42,7 @@ def snapshot(space: TPAddressSpace) -> dict[str, torch.Tensor]:
                     f"b{gi}.rows": p.row_counts[:, 0].clone(),
                     f"b{gi}.hyper": p.hyper_counts[:, : p.n_hyper].clone(),
                     f"b{gi}.round_of": p.round_of.clone(), f"b{gi}.ring_of": p.ring_of.clone(),
-                    f"b{gi}.entered": p.entered.clone(), f"b{gi}.claim": b.claim_table.clone(),
+                    f"b{gi}.entered": p.entered.clone(),
                     f"b{gi}.epoch_t": p.epoch_t.clone(), f"b{gi}.round_t": p.round_t.clone(),
                     f"b{gi}.counts": p.counts[:, : p.n_words].clone(),
                     f"storage{gi}": space.storage[gi][:, : space.gpu_slots].clone()})
@@ -52,6 +52,8 @@ def snapshot(space: TPAddressSpace) -> dict[str, torch.Tensor]:
             out[f"plan{gi}"] = torch.stack([plan.src_rank, plan.src_slot, plan.dst_row])[:, keep]
             out[f"buffer_rows{gi}"] = space.storage[gi][:, space.gpu_slots + 1:].clone()
     out["tp_counters"] = space.tp_counters.clone()
+    # the fused gates' claim hash is clean after every call (the torch path has none)
+    out["claims_clean"] = torch.tensor(space.gate_claims_clean())
     return out
 
 

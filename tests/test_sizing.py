@@ -178,18 +178,19 @@ def test_deepseek_v32_figures():
     cpu_ratio 4 (ratio 5), PB-LRU's default 32 buckets: 2,416 B of tables and fused-call scratch
     per GPU token in DP mode (2,388 B of tables alone), against SGLang's 80,276 B cell (656 B
     latent + 132 B index-K x 5, per layer); TP8 with the buffer of 64 requests (64 x 2049
-    rows): 319 B per global token per rank, tables only (the fused scratch is sized by the
-    buffer, fixed: 388 MB with the tables' fixed part; the buffer maps are fixed, 2.1 MB a
-    group: before they were hash tables, 1,586 B of tables per global token). With 64 buckets
-    (the default before 2026-12-06): 2,796 / 2,767 B and 366 B."""
+    rows): 299 B per global token per rank, tables only (the fused scratch is sized by the
+    buffer, fixed: 391 MB with the tables' fixed part; the buffer maps are fixed, 2.1 MB a
+    group: before they were hash tables, 1,586 B of tables per global token; until 2026-12-07
+    a claim table over the global addresses cost 4 B per global logical token, 319 B in all). With 64 buckets
+    (the default before 2026-12-06): 2,796 / 2,767 B and 346 B."""
     assert table_bytes_per_slot(61, ratio=5, page_size=64) == (2416, 1166453)
     assert table_bytes_per_slot(61, ratio=5, page_size=64, call_scratch=False) == \
         (2388, 932253)
     tp8 = dict(tp_size=8, buffer_slots=64 * 2049, layers=61)
-    assert table_bytes_per_slot(61, ratio=5, page_size=64, **tp8) == (319, 388497344)
-    assert table_bytes_per_slot(61, ratio=5, page_size=64, call_scratch=False, **tp8)[0] == 319
+    assert table_bytes_per_slot(61, ratio=5, page_size=64, **tp8) == (299, 391286184)
+    assert table_bytes_per_slot(61, ratio=5, page_size=64, call_scratch=False, **tp8)[0] == 299
     assert table_bytes_per_slot(61, ratio=5, page_size=64, n_buckets=64) == (2796, 1978105)
-    assert table_bytes_per_slot(61, ratio=5, page_size=64, n_buckets=64, **tp8)[0] == 366
+    assert table_bytes_per_slot(61, ratio=5, page_size=64, n_buckets=64, **tp8)[0] == 346
     assert table_bytes_per_slot(78, ratio=5, page_size=64)[0] == 3076  # GLM-5, 78 groups
     assert table_bytes_per_slot(21, ratio=5, page_size=64)[0] == 864  # GLM-5.2, 21 groups
 

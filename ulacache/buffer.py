@@ -29,23 +29,44 @@ from __future__ import annotations
 import torch
 
 from .bufmap import BufferMap
-from .group import NO_CLAIM, first_occurrence, new_claim_table
 from .pblru import DEFAULT_BUCKETS, ReplacementPolicy, make_policy
+
+
+def first_of_each(addrs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``keep`` (``bool [n]``) restricted to the first occurrence of each address of ``addrs``
+    (``int64 [n]``) among the kept entries, by a stable sort of the call's own entries: O(n log
+    n), fixed shapes, no sync, and no table over the address space (a TP rank's buffers see
+    every global address; a claim table over them would cost 4 B per global token)."""
+    n = addrs.numel()
+    if n == 0:
+        return keep.clone()
+    key = torch.where(keep, addrs, -1)  # the entries not kept share one key: masked below
+    order = torch.sort(key, stable=True).indices
+    ranked = key[order]
+    head = torch.ones(n, dtype=torch.bool, device=addrs.device)
+    head[1:] = ranked[1:] != ranked[:-1]  # stable: the lowest position of each key leads
+    first = torch.empty_like(head).scatter_(0, order, head)
+    return first & keep
+
+
+def member_of(values: torch.Tensor, among: torch.Tensor) -> torch.Tensor:
+    """``bool`` per entry of ``values``: it occurs in ``among`` (non-empty ``int64``), by a
+    sort of ``among`` and a binary search: fixed shapes, no sync."""
+    ranked = torch.sort(among).values
+    at = torch.searchsorted(ranked, values).clamp_(max=ranked.numel() - 1)
+    return ranked[at] == values
 
 
 class LocalBuffer:
     """Metadata of ``n_slots`` buffer rows over global addresses ``[0, n_logical)``."""
 
     def __init__(self, n_logical: int, n_slots: int, device: torch.device,
-                 policy: str | ReplacementPolicy = "pblru", n_buckets: int = DEFAULT_BUCKETS,
-                 claim: torch.Tensor | None = None):
+                 policy: str | ReplacementPolicy = "pblru", n_buckets: int = DEFAULT_BUCKETS):
         self.n_logical, self.n_slots, self.device = n_logical, n_slots, device
         self.map = BufferMap(n_slots, device)
         self.holder = torch.full((n_slots + 1,), -1, dtype=torch.int64, device=device)
         self.policy = policy if isinstance(policy, ReplacementPolicy) else \
             make_policy(policy, n_slots, n_buckets, device)
-        # dedup scratch, shareable by every buffer of the rank (clean between calls)
-        self.claim_table = new_claim_table(n_logical, device) if claim is None else claim
 
     def lookup(self, safe: torch.Tensor) -> torch.Tensor:
         """Buffer slot of each address (``safe``: in range or the scratch index ``n_logical``);
@@ -54,7 +75,7 @@ class LocalBuffer:
 
     def first(self, safe: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """``keep`` restricted to the first occurrence of each address."""
-        return first_occurrence(self.claim_table, safe, keep)
+        return first_of_each(safe, keep)
 
     def touch(self, slots: torch.Tensor) -> None:
         """Mark buffer hits as read this round (pins them; ``-1`` skipped)."""
@@ -90,8 +111,9 @@ class LocalBuffer:
         of copies dropped (0-dim). Duplicates and unbuffered addresses are harmless.
 
         A release longer than the buffer (a finished request's pages, a flush of the whole
-        space) walks the buffer's ``B`` slots instead of looking every address up: marks in the
-        claim table, O(n + B) (the choice depends on shapes only: no sync)."""
+        space) walks the buffer's ``B`` slots instead of looking every address up: each holder
+        is searched among the sorted addresses, O((n + B) log n) (the choice depends on shapes
+        only: no sync)."""
         if safe.numel() > self.n_slots:
             return self._drop_by_slot(safe)
         slot, pos = self.map.find(safe, self.holder)
@@ -105,11 +127,8 @@ class LocalBuffer:
 
     def _drop_by_slot(self, safe: torch.Tensor) -> torch.Tensor:
         B = self.n_slots
-        self.claim_table.index_fill_(0, safe, 0)  # mark the released addresses
         held = self.holder[:B]
-        gone = (held >= 0) & (self.claim_table[torch.where(held >= 0, held, self.n_logical)]
-                              == 0)
-        self.claim_table.index_fill_(0, safe, NO_CLAIM)
+        gone = (held >= 0) & member_of(held, safe)
         slots = torch.arange(B, device=self.device)
         self.map.erase(slots, held, gone, torch.full_like(slots, -1))
         self.holder.index_put_((torch.where(gone, slots, B),), torch.full_like(slots, -1))
@@ -142,6 +161,5 @@ class LocalBuffer:
         assert torch.equal(self.policy.used_mask(), self.holder[:B] >= 0), \
             "buffer policy's used set != held slots"
         self.policy.check_integrity()
-        assert bool((self.claim_table == NO_CLAIM).all()), "buffer claim table dirty"
         if live is not None:
             assert bool(live.to(self.device)[addrs].all()), "buffer holds a released address"

@@ -193,7 +193,8 @@ def in_pieces(addrs: torch.Tensor, out: torch.Tensor | None, size: int, device: 
 
 
 def distinct_addresses(claim: torch.Tensor, table: torch.Tensor, size: int, *, first: int = 0,
-                       piece: int = 1 << 20) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       piece: int = 1 << 20, stripe: tuple[int, int, int] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The distinct addresses of a large ``table`` (any shape, ``int32``/``int64``; a prefill
     page table of ``T x top-k`` entries), with fixed shapes and no sync (marked in ``claim``,
     gathered by ``torch.nonzero_static``): ``(found, n_distinct, n_bad)``.
@@ -206,17 +207,26 @@ def distinct_addresses(claim: torch.Tensor, table: torch.Tensor, size: int, *, f
     ``claim``: a clean claim table ``int32 [n + 1]`` (:func:`new_claim_table`), clean again
     on return. Entries in ``[0, first)`` are padding too (an engine's reserved sink page).
     The table is read in pieces of ``piece`` entries, so temporaries stay ``O(piece + n)``.
+
+    ``stripe = (P, rank, n_global)``: a TP rank's share. Addresses are global (``n =
+    n_global``); only those ``a`` with ``a % P == rank`` are marked, at ``a // P`` (``claim``
+    is the rank's table over its local positions), so ``found`` and ``n_distinct`` cover the
+    rank's own addresses; ``n_bad`` counts the whole table.
     """
-    n = claim.numel() - 1
+    n_claim = claim.numel() - 1
+    P, rank, n = (1, 0, n_claim) if stripe is None else stripe
     bad = torch.zeros((), dtype=torch.int64, device=claim.device)
     for p in table.reshape(-1).split(piece):
         p = p.to(torch.int64)
         inrange = (p >= 0) & (p < n)
         bad += ((p != -1) & ~inrange).sum()
-        claim.index_fill_(0, torch.where(inrange & (p >= first), p, n), 0)
-    marked = claim[:n] == 0
+        mark = inrange & (p >= first) & (p % P == rank)
+        claim.index_fill_(0, torch.where(mark, p // P, n_claim), 0)
+    marked = claim[:n_claim] == 0
     n_distinct = marked.sum()
     found = torch.nonzero_static(marked, size=size, fill_value=-1).view(-1)
+    if stripe is not None:
+        found = torch.where(found >= 0, found * P + rank, -1)
     claim.fill_(NO_CLAIM)
     return found, n_distinct, bad
 

@@ -121,13 +121,13 @@ def table_bytes(groups: int, *, n_logical: int | Affine, gpu_slots: int | Affine
     and the counter table ``int64 [groups, 16]``. With ``tp`` (per group,
     :class:`~ulacache.buffer.LocalBuffer`): the map ``int32 [16 ceil(B / 4)]`` (a hash table
     sized by the buffer, :mod:`ulacache.bufmap`), ``holder int64 [B + 1]``, a policy over ``B``
-    slots; per rank: the buffers'
-    shared claim table ``int32 [N + 1]``, the gate counters ``int64 [groups, 9]`` and the CUDA
-    peer pointer tables ``int64 [layers, ranks]``. The fused path's per-call scratch, allocated
-    once for ``call_capacity`` entries (``G + CALL_FLOOR``, TP ``B + CALL_FLOOR``;
-    ``call_entries`` when given): per address space 28 B an entry plus three ``int32``
+    slots; per rank: the gate counters ``int64 [groups, 9]`` and the CUDA peer pointer tables
+    ``int64 [layers, ranks]`` (nothing over the global addresses: the buffers dedup a call by
+    sorting it, the fused gates in a hash sized by the call). The fused path's per-call
+    scratch, allocated once for ``call_capacity`` entries (``G + CALL_FLOOR``, TP ``B +
+    CALL_FLOOR``; ``call_entries`` when given): per address space 28 B an entry plus three ``int32``
     per-block counts, and 8 B per group (the stack pointer K3 hands K4); TP adds this rank's
-    ``int32`` rows of a plan, one gates call's 12 B an entry and, per group, the gates' plan,
+    ``int32`` rows of a plan, one gates call's 32 B an entry and, per group, the gates' plan,
     12 B an entry (:func:`call_scratch_bytes`; ``call_scratch=False`` leaves it out: the torch
     path). ``prefetch`` (:class:`ulacache.prefetch.PrefetchEngine`): the prefetches' own claim
     table ``int32 [n + 1]``, their fused scratch (one access scratch of the same capacity,
@@ -145,9 +145,9 @@ def table_bytes(groups: int, *, n_logical: int | Affine, gpu_slots: int | Affine
     if tp is not None:
         from .tp import TP_COUNTERS  # tp imports this module
 
-        N, B = Affine.of(tp.n_global), tp.buffer_slots
+        B = tp.buffer_slots
         buffer = map_bytes(B) + 8 * (B + 1) + _policy_bytes(policy, Affine.of(B), n_buckets)
-        total = (total + groups * buffer + 4 * (N + 1) + groups * len(TP_COUNTERS) * 8
+        total = (total + groups * buffer + groups * len(TP_COUNTERS) * 8
                  + tp.layers * tp.ranks * 8)
     cap = (G if tp is None else Affine.of(tp.buffer_slots)) + CALL_FLOOR \
         if call_entries is None else Affine.of(call_entries)
@@ -168,13 +168,14 @@ def call_scratch_bytes(groups: int, capacity: int | Affine, tp: bool) -> Affine:
     access scratch (local, phys, victim ``int64``, status ``int32``: 28 B an entry) with three
     ``int32`` counts per 128-entry block, and each group's ``int64`` stack-pointer snapshot;
     TP: this rank's ``int32`` rows of a plan, one gates call's scratch shared by the groups
-    (status ``int32``, victim ``int64``: 12 B an entry, the same per-block counts) and every
+    (status ``int32``, victim ``int64``, claim-hash index ``int32``, and the claim hash, two
+    ``int32`` rows of twice the entries: 32 B an entry, the same per-block counts) and every
     group's plan (three ``int32``: 12 B an entry). Block rounding bounded from above."""
     blocks = Affine.of(capacity).ceil_div(128)
     entries = 128 * blocks
     total = 28 * entries + 12 * blocks + 8 * groups
     if tp:
-        total = (total + 4 * Affine.of(capacity) + 12 * entries + 12 * blocks
+        total = (total + 4 * Affine.of(capacity) + 32 * entries + 12 * blocks
                  + groups * 12 * entries)
     return total
 

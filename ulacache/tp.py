@@ -62,7 +62,6 @@ from .group import (
     count_distinct,
     distinct_addresses,
     in_pieces,
-    new_claim_table,
 )
 from .health import CounterMonitor
 from .pblru import PBLRUArena
@@ -200,14 +199,12 @@ class TPAddressSpace:
                                  if self.device.type == "cuda" and kernels_available()
                                  else pools)
             self._peer_layers.append(per_layer)
-        claim = new_claim_table(n_logical, self.device)  # dedup scratch, shared by buffers
-        self.claim_table = claim  # over the global addresses (also access_distinct's)
         # the buffers' PB-LRU state in one arena, like the groups': one launch starts a round
         self.buffer_arena = PBLRUArena(len(groups), B, config.n_buckets, self.device) \
             if config.policy == "pblru" else None
         self.buffers = [LocalBuffer(n_logical, B, self.device,
                                     self.buffer_arena.policies[i] if self.buffer_arena
-                                    else config.policy, config.n_buckets, claim=claim)
+                                    else config.policy, config.n_buckets)
                         for i in range(len(groups))]
         self.tp_counters = torch.zeros(len(groups), len(TP_COUNTERS), dtype=torch.int64,
                                        device=self.device)
@@ -667,8 +664,16 @@ class TPAddressSpace:
         bound = self.gpu_slots + self.buffer_slots
         size = min(bound, table.numel())  # the same on every rank: the table's shape
         with self.stream.scope():
-            found, n_distinct, bad = distinct_addresses(self.claim_table, table, size,
-                                                        first=first, piece=self.call_capacity)
+            # each rank lists its own distinct addresses in its local claim table (no table
+            # over the global addresses), then the ranks merge their lists: the same on all
+            mine, n_mine, bad = distinct_addresses(
+                self.local.claim_table, table, size, first=first,
+                piece=self.call_capacity, stripe=(self.P, self.rank, self.n_logical))
+            lists = self.peers.all_gather(torch.cat([mine, n_mine.view(1)])).view(self.P, -1)
+            n_distinct = lists[:, size].sum()
+            merged = lists[:, :size].reshape(-1)
+            merged = torch.sort(torch.where(merged >= 0, merged, self.n_logical)).values[:size]
+            found = torch.where(merged < self.n_logical, merged, -1)
         if self.validate:
             self._agree(lambda: check_distinct(
                 bad, n_distinct, bound, self.n_logical,
@@ -705,11 +710,17 @@ class TPAddressSpace:
         """Every live address of this rank's shard has a row in every group."""
         self.local.check_placed(self.local_live(live))
 
+    def gate_claims_clean(self) -> bool:
+        """The fused gates' claim hash is clean (host read; True on the torch path, which has
+        none: its buffers dedup a call by sorting it)."""
+        return self._gates is None or self._gates[0].claims_clean()
+
     def check_integrity(self, live: torch.Tensor | None = None) -> None:
         """This rank's DP invariants over its shard, the buffers' invariants, and that every
         buffered copy holds its owner's current bytes (collective). ``live``: ``bool
         [n_logical]`` of allocated global addresses."""
         self.local.check_integrity(None if live is None else self.local_live(live))
+        assert self.gate_claims_clean(), "fused gates' claim hash dirty"
         for gi, b in enumerate(self.buffers):
             b.check_integrity(live)
             addrs, slots = b.buffered()
