@@ -31,8 +31,8 @@ Systems, on P = 8 GPUs (per rank ``D`` bytes of GPU KV budget, ``H_host`` bytes 
   ranks; per rank per global GPU token ``ceil(lat / P)`` plus index-K ``idx * (1 + c)``
   (replicated) or ``/ P`` (``stripe_index_k``: striped by page, three pages per indexer layer
   fixed) plus the rank's tables
-  per global token (``table_bytes_per_slot`` in TP mode: its stripe's tables and the buffers'
-  claim table over the global addresses); fixed: the tables' fixed bytes (buffer maps,
+  per global token (``table_bytes_per_slot`` in TP mode: its stripe's tables; nothing over
+  the global addresses); fixed: the tables' fixed bytes (buffer maps,
   holders and PB-LRU state over ``B`` slots per group) + ``(B + 128) x lat`` (sink page,
   scratch, ``B`` buffer rows, padding to a page, per layer) + the coordinator's output rows (below),
   ``B = R x draft x (top_k + 1)`` rows (raised to a prefill's peer share ``S - ceil(S / P)``
