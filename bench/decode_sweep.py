@@ -52,6 +52,8 @@ import csv
 import gzip
 import json
 import logging
+import multiprocessing
+import os
 import sys
 import tempfile
 import time
@@ -732,26 +734,73 @@ def peak(rows: list[dict], key: str = "tokens_per_s") -> float:
 METRICS = ("tokens_per_s", "tokens_per_s_duplex", "tokens_per_s_overlap")
 
 
+# The sweep's runs are independent (one tuning and seed each); ``--jobs`` runs them in forked
+# worker processes. A worker inherits the run's inputs (fork: nothing pickled but the job and
+# its rows) and generates the selections it needs itself: a request's stream depends only on
+# (seed, request), so every worker sees the same selections as a serial run would.
+_WORK: dict = {}
+
+
+def _run_job(job: tuple[int, Tuning]) -> list[dict]:
+    seed, t = job
+    w = _WORK
+    return level_rows(t, w["base"], w["platform"], w["model"], w["levels"], w["requests"],
+                      w["model_loc"], w["counts"], seed, w["caches"][seed])
+
+
+def _worker_init() -> None:
+    torch.set_num_threads(1)  # one core per worker: the workers are the parallelism
+    logging.getLogger().setLevel(logging.WARNING)  # per-level logs interleave across workers
+
+
+def run_jobs(jobs: list[tuple[int, Tuning]], work: dict, n_jobs: int, bar=None
+             ) -> list[list[dict]]:
+    """``level_rows`` of each ``(seed, tuning)`` job, in job order, over ``n_jobs`` forked
+    processes (1: in this process)."""
+    global _WORK
+    _WORK = work
+    try:
+        # a forked child cannot use a CUDA context its parent holds (--real-rows on a GPU)
+        if n_jobs <= 1 or len(jobs) <= 1 or (torch.cuda.is_available()
+                                            and torch.cuda.is_initialized()):
+            out = []
+            for job in jobs:
+                out.append(_run_job(job))
+                if bar:
+                    bar.update()
+            return out
+        ctx = multiprocessing.get_context("fork")
+        with ctx.Pool(min(n_jobs, len(jobs)), initializer=_worker_init) as pool:
+            out = []
+            for rows in pool.imap(_run_job, jobs):
+                out.append(rows)
+                if bar:
+                    bar.update()
+            return out
+    finally:
+        _WORK = {}
+
+
 def fair_sweep(base: Config, platform: str, model: str, levels: list[int],
-               requests: list[Request], model_loc: LocalityModel, grids: dict[str, list[Tuning]],
-               seeds: int, progress: bool = True) -> dict:
+               requests: list[Request], model_loc: LocalityModel, grids: dict[str, list],
+               seeds: int, progress: bool = True, jobs: int = 1) -> dict:
     """Each system tuned on seed 0 (every tuning x level) for each metric's peak (serial,
     duplex, overlap) apart; each metric's best tuning then runs on seeds ``1 .. seeds - 1``;
-    the peak ratios per seed and their spread, per metric."""
+    the peak ratios per seed and their spread, per metric. ``jobs``: worker processes (the
+    figures do not depend on it)."""
     counts = launch_counts(base) if {"ulacache", "ulacache_wb", "ulacache_pf"} & set(grids) \
         else {}
     base = timed_path(base, counts)
     rows: list[dict] = []
-    jobs = [(0, t) for ts in grids.values() for t in ts]
-    bar = tqdm(total=len(jobs), desc="decode sweep", disable=not progress) if tqdm else None
+    todo = [(0, t) for ts in grids.values() for t in ts]
+    bar = tqdm(total=len(todo), desc="decode sweep", disable=not progress) if tqdm else None
     caches = {0: _caches(model_loc, base, 0)}
+    work = dict(base=base, platform=platform, model=model, levels=levels, requests=requests,
+                model_loc=model_loc, counts=counts, caches=caches)
     by_tuning: dict[Tuning, list[dict]] = {}
-    for seed, t in jobs:
-        by_tuning[t] = level_rows(t, base, platform, model, levels, requests, model_loc, counts,
-                                  seed, caches[seed])
-        rows += by_tuning[t]
-        if bar:
-            bar.update()
+    for (_, t), got in zip(todo, run_jobs(todo, work, jobs, bar)):
+        by_tuning[t] = got
+        rows += got
     if bar:
         bar.close()
     # best[s][m]: system s's tuning with the highest seed-0 peak of metric m
@@ -763,9 +812,9 @@ def fair_sweep(base: Config, platform: str, model: str, levels: list[int],
         caches[seed] = _caches(model_loc, base, seed)
         caches.pop(seed - 1, None)  # one seed's selections in memory at a time
         seed_rows[seed] = {}
-        for t in dict.fromkeys(t for b in best_by.values() for t in b.values()):
-            got = level_rows(t, base, platform, model, levels, requests, model_loc, counts,
-                             seed, caches[seed])
+        again = [(seed, t) for t in dict.fromkeys(t for b in best_by.values()
+                                                   for t in b.values())]
+        for (_, t), got in zip(again, run_jobs(again, work, jobs)):
             rows += got
             seed_rows[seed][t] = got
     peaks = {s: [{m: peak(seed_rows[seed][best_by[s][m]], m) for m in METRICS}
@@ -1035,6 +1084,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-tune", action="store_true",
                     help="use the first value of each tuning list only")
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                    help="worker processes (default: one per CPU; the figures do not depend "
+                    "on it)")
     ap.add_argument("--scale", type=int, default=8,
                     help="simulate at 1/s size (k, H, page, pools, lengths); 1 = full size")
     ap.add_argument("--requests", type=int, default=2000, help="first N Mooncake requests")
@@ -1078,8 +1130,9 @@ def main(argv: list[str] | None = None) -> int:
                  "resident": [Tuning("resident")]}
     except ValueError as e:
         ap.error(f"lists are comma-separated integers: {e}")
-    if not levels or min(levels) < 1 or a.seeds < 1 or a.scale < 1 or a.steps < 1:
-        ap.error("--levels, --seeds, --scale and --steps must be positive")
+    if not levels or min(levels) < 1 or a.seeds < 1 or a.scale < 1 or a.steps < 1 \
+            or a.jobs < 1:
+        ap.error("--levels, --seeds, --scale, --steps and --jobs must be positive")
     if a.duplex_factor is not None and not 1.0 <= a.duplex_factor <= 2.0:
         ap.error("--duplex-factor must be in [1, 2] (1.0: serial, 2.0: full duplex)")
     if not 0.0 <= a.acceptance <= 1.0 or a.fetch_cap < 0:
@@ -1102,7 +1155,8 @@ def main(argv: list[str] | None = None) -> int:
     reqs = scaled_requests(load_requests(Path(a.mooncake), a.requests, a.arrival_speedup,
                                          a.max_input, a.max_output), a.scale)
     res = fair_sweep(cfg, a.platform, a.model, levels, reqs, model, grids, a.seeds,
-                     progress=not a.quiet and not a.json)
+                     progress=not a.quiet and not a.json,
+                     jobs=1 if a.real_rows else a.jobs)  # real rows: timed on one device
     res["wall_s"] = time.perf_counter() - t0
     out = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="decode_sweep-"))
     res["files"] = write_outputs(res, out, png=not a.no_png)

@@ -105,6 +105,29 @@ def test_end_to_end_writes_csv_md_json(tmp_path, triton):
     assert ("fused path's launches were not counted" in md) is not triton
 
 
+def test_worker_processes_give_the_same_figures(tmp_path):
+    """``--jobs 2`` (forked workers, each generating the selections it needs) gives exactly
+    the rows, bests and ratios of a serial run: a request's selections depend only on (seed,
+    request), not on which runs came first in the process."""
+    got = []
+    for jobs in (1, 2):
+        out = subprocess.run(
+            [sys.executable, str(ROOT / "bench" / "decode_sweep.py"), "--json", "--quiet",
+             "--jobs", str(jobs), "--levels", "2,4", "--steps", "5", "--warmup", "2",
+             "--seeds", "2", "--scale", "32", "--requests", "40", "--hs-buffers", "4096",
+             "--hs-ratios", "2,4", "--ula-ratios", "2,4", "--policies",
+             "ulacache,hisparse,resident", "--max-input", "3000", "--max-output", "64",
+             "--trace", str(FIXTURE), "--no-png", "--out", str(tmp_path / str(jobs))],
+            capture_output=True, text=True, check=True, timeout=300)
+        got.append(json.loads(out.stdout))
+    serial, forked = got
+    assert len(serial["rows"]) == len(forked["rows"]) > 0
+    for a, b in zip(serial["rows"], forked["rows"]):
+        assert a == b
+    assert serial["best"] == forked["best"]
+    assert serial["peak_ratios"] == forked["peak_ratios"]
+
+
 def test_real_rows_cli_reports_the_measured_ratio(tmp_path):
     """``--real-rows`` (as bench/device_check.sh runs it, here on CPU at 1/32 size): every
     level is measured and the JSON carries the measured ratio device_summary.py prints."""

@@ -29,7 +29,8 @@ def test_every_fused_kernel_compiles_for_sm90_and_sm100_without_spills():
     assert {line.split()[0] for line in lines} == {"sm_90", "sm_100"}
     assert names == {"_k1_claim", "_k2_first_touch", "_k3_victims_move",
                      "_k4_assign_translate", "_translate", "claim_in_range",
-                     "_g1_claim_hashed", "_g2_first_hits", "_g3_claim_slots", "_g4_assign_rows", "_advance_kernel",
+                     "_g1_claim_hashed", "_g2_first_hits", "_g3_claim_slots", "_g4_assign_rows",
+                     "_advance_kernel",
                      "_r2_drop", "_r3_push", "_reclaim", "_replay_moves"}
     # K1..K4 for access and for place (its K1 reclaims shadows), K3 / K4 of an access without
     # shadows, the standalone reclaim,

@@ -181,8 +181,8 @@ def test_deepseek_v32_figures():
     rows): 299 B per global token per rank, tables only (the fused scratch is sized by the
     buffer, fixed: 391 MB with the tables' fixed part; the buffer maps are fixed, 2.1 MB a
     group: before they were hash tables, 1,586 B of tables per global token; until 2026-12-07
-    a claim table over the global addresses cost 4 B per global logical token, 319 B in all). With 64 buckets
-    (the default before 2026-12-06): 2,796 / 2,767 B and 346 B."""
+    a claim table over the global addresses cost 4 B per global logical token, 319 B in all).
+    With 64 buckets (the default before 2026-12-06): 2,796 / 2,767 B and 346 B."""
     assert table_bytes_per_slot(61, ratio=5, page_size=64) == (2416, 1166453)
     assert table_bytes_per_slot(61, ratio=5, page_size=64, call_scratch=False) == \
         (2388, 932253)
