@@ -122,8 +122,10 @@ def test_worker_processes_give_the_same_figures(tmp_path):
         got.append(json.loads(out.stdout))
     serial, forked = got
     assert len(serial["rows"]) == len(forked["rows"]) > 0
+    wall = "cpu_ctl_ms_per_step"  # the control plane's CPU time: measured, never equal
     for a, b in zip(serial["rows"], forked["rows"]):
-        assert a == b
+        assert {k: v for k, v in a.items() if k != wall} == \
+            {k: v for k, v in b.items() if k != wall}
     assert serial["best"] == forked["best"]
     assert serial["peak_ratios"] == forked["peak_ratios"]
 
