@@ -55,6 +55,29 @@ def test_distinct_addresses_equals_unique(n, entries, size, first, piece, seed):
     assert bool((claim == NO_CLAIM).all())
 
 
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(n=st.integers(1, 200), entries=st.integers(0, 600), size=st.integers(1, 64),
+       first=st.integers(0, 8), piece=st.integers(1, 97), P=st.integers(2, 4),
+       seed=st.integers(0, 2**31 - 1))
+def test_a_tp_ranks_share_is_its_own_distinct_addresses(n, entries, size, first, piece, P, seed):
+    """``stripe=(P, rank, n)``: each rank lists exactly the distinct addresses it owns (``a %
+    P == rank``) from its local claim table (``ceil(n / P)`` positions), and counts the whole
+    table's out-of-range entries."""
+    gen = torch.Generator().manual_seed(seed)
+    table = torch.randint(-3, n + 3, (entries,), generator=gen, dtype=torch.int64)
+    t = table
+    for rank in range(P):
+        claim = new_claim_table(-(-n // P), torch.device("cpu"))
+        found, n_distinct, bad = distinct_addresses(claim, table, size, first=first,
+                                                    piece=piece, stripe=(P, rank, n))
+        want = torch.unique(t[(t >= first) & (t < n) & (t % P == rank)])
+        assert int(n_distinct) == want.numel()
+        assert int(bad) == int(((t != -1) & ((t < 0) | (t >= n))).sum())
+        k = min(size, want.numel())
+        assert torch.equal(found[:k], want[:k]) and bool((found[k:] == -1).all())
+        assert bool((claim == NO_CLAIM).all())
+
+
 def _prefill_like_table(addrs: torch.Tensor, rows: int, k: int, seed: int) -> torch.Tensor:
     """``[rows, k]`` entries drawn from ``addrs`` (each many times), ``-1`` padding and the
     sink page (``0..3``), like a prefill page table."""
