@@ -25,6 +25,7 @@ selections.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -117,6 +118,7 @@ _CHILD = textwrap.dedent("""
 """)
 
 
+@functools.cache  # once per worker: pytest may tear a module fixture down and set it up again
 def run_batch(name: str) -> dict:
     p = subprocess.run([sys.executable, "-c", _CHILD], input=json.dumps(BATCHES[name]),
                        capture_output=True, text=True, timeout=1500, env=ENV)

@@ -42,7 +42,8 @@ from .helpers import (
 )
 
 sglang = pytest.importorskip("sglang")
-pytestmark = pytest.mark.sglang
+# one worker sets the module's ranks up once (CI: --dist loadgroup), not one per worker
+pytestmark = [pytest.mark.sglang, pytest.mark.xdist_group("sglang_tp")]
 
 KVL, ROPE, L, K, PAGE, P, N = 64, 16, 4, 32, 64, 2, 512
 TIMEOUT_S = 240

@@ -31,7 +31,8 @@ import torch
 from .helpers import sglang_tp_ranks_init, spawn_ranks
 
 pytest.importorskip("sglang")
-pytestmark = pytest.mark.sglang
+# one worker sets the module's ranks up once (CI: --dist loadgroup), not one per worker
+pytestmark = [pytest.mark.sglang, pytest.mark.xdist_group("sglang_tp_stripe")]
 
 PAGE, D, H, K, L, N, RATIO = 64, 128, 8, 96, 2, 512, 8
 TIMEOUT_S = 300

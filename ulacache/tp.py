@@ -665,15 +665,18 @@ class TPAddressSpace:
         size = min(bound, table.numel())  # the same on every rank: the table's shape
         with self.stream.scope():
             # each rank lists its own distinct addresses in its local claim table (no table
-            # over the global addresses), then the ranks merge their lists: the same on all
+            # over the global addresses); the ranks exchange the lists (int32: addresses are
+            # below MAP_LIMIT) and keep the first `size` in rank order, the same on every rank
+            # (compacted, not sorted: the transient stays a few bytes per entry)
             mine, n_mine, bad = distinct_addresses(
                 self.local.claim_table, table, size, first=first,
                 piece=self.call_capacity, stripe=(self.P, self.rank, self.n_logical))
-            lists = self.peers.all_gather(torch.cat([mine, n_mine.view(1)])).view(self.P, -1)
-            n_distinct = lists[:, size].sum()
-            merged = lists[:, :size].reshape(-1)
-            merged = torch.sort(torch.where(merged >= 0, merged, self.n_logical)).values[:size]
-            found = torch.where(merged < self.n_logical, merged, -1)
+            mine = torch.cat([mine, n_mine.view(1)]).to(torch.int32)
+            lists = self.peers.all_gather(mine).view(self.P, -1)
+            n_distinct = lists[:, size].sum(dtype=torch.int64)
+            listed = lists[:, :size].reshape(-1)
+            at = torch.nonzero_static(listed >= 0, size=size, fill_value=-1).view(-1)
+            found = torch.where(at >= 0, listed[at.clamp(min=0)].to(torch.int64), -1)
         if self.validate:
             self._agree(lambda: check_distinct(
                 bad, n_distinct, bound, self.n_logical,
