@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 
 from .errors import AddressError, CapacityExhausted, ShapeError
-from .group import NO_CLAIM, distinct_addresses
 
 
 def round_spans(space, addrs: torch.Tensor) -> list[tuple[int, int]]:
@@ -133,15 +132,14 @@ class PrefillStage:
         batch within the stage (``PrefillStage.fits``).
 
         Temporaries stay ``O(capacity + piece)`` whatever the table's size (a prefill chunk of
-        8K queries at top-k 2048 is 2^24 entries): the distinct addresses are marked in the
-        space's claim table (:func:`ulacache.group.distinct_addresses`), each is given its
-        stage row there, and the table is translated through it in pieces of the space's
-        ``call_capacity`` entries; the claim table is clean again on return."""
+        8K queries at top-k 2048 is 2^24 entries): the distinct addresses come from the space
+        (:meth:`~ulacache.space.AddressSpace.distinct`: its claim table; a TP space merges its
+        ranks' own lists), ascending, and the table is translated in pieces of the space's
+        ``call_capacity`` entries by a binary search of them (no table over the addresses)."""
         space = self.space
-        claim, n = space.claim_table, space.n_logical
+        n = space.n_logical
         piece = space.config.call_capacity
-        found, n_distinct, bad = distinct_addresses(claim, table, self.capacity, first=first,
-                                                    piece=piece)
+        found, n_distinct, bad = space.distinct(table, self.capacity, first)
         if space.validate and found.device.type != "meta":  # meta: a rehearsal, shapes only
             if int(bad):
                 raise AddressError(f"stage: {int(bad)} table entries out of range [0, {n})")
@@ -151,15 +149,15 @@ class PrefillStage:
         dst = self.row_base + torch.arange(self.capacity, device=found.device)
         from_cpu, gathered = space.gather(layer, found, self.storage,
                                           torch.where(found >= 0, dst, -1))
-        safe = torch.where(found >= 0, found, n)
-        # address -> its stage row; NO_CLAIM for what was not gathered (and the scratch entry)
-        claim.index_copy_(0, safe, torch.where(gathered, dst, NO_CLAIM).to(claim.dtype))
+        # ascending with n in place of the -1 padding: searchable
+        keys = torch.where(found >= 0, found, n)
+        rows_of = torch.where(gathered, dst, -1)  # the i-th distinct address's stage row
         out = torch.empty(table.shape, dtype=torch.int64, device=found.device)
         for src, rows in zip(table.reshape(-1).split(piece), out.view(-1).split(piece)):
             src = src.to(found.device, torch.int64)
             keep = (src >= first) & (src < n)
-            got = claim[torch.where(keep, src, n)]
-            rows.copy_(torch.where(keep & (got != NO_CLAIM), got, -1))
-        claim.index_fill_(0, safe, NO_CLAIM)
+            at = torch.searchsorted(keys, torch.where(keep, src, n)).clamp_(max=self.capacity - 1)
+            hit = keep & (keys[at] == src)
+            rows.copy_(torch.where(hit, rows_of[at], -1))
         self._staged += torch.stack((gathered.sum(), from_cpu)).to(self._staged.device)
         return out

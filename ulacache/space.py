@@ -321,6 +321,14 @@ class AddressSpace:
         access), as :meth:`prefetch` is."""
         self.group(group).replay_layer(li)
 
+    def distinct(self, table: torch.Tensor, size: int, first: int = 0
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:func:`ulacache.group.distinct_addresses` of ``table`` through this space's claim
+        table, in pieces of ``call_capacity``: ``(found`` ascending ``int64 [size]``, ``-1``
+        after them, ``n_distinct, n_bad)``; fixed shapes, no sync."""
+        return distinct_addresses(self.claim_table, table, size, first=first,
+                                  piece=self.config.call_capacity)
+
     def access_distinct(self, group: int, table: torch.Tensor, first: int = 0) -> None:
         """One access of a group on the distinct addresses of a large ``table`` (any shape,
         ``-1`` and addresses below ``first`` are padding): a prefill page table of ``T x top-k``
@@ -335,8 +343,7 @@ class AddressSpace:
         g = self.group(group)
         size = min(self.config.gpu_slots, table.numel())  # a short table: a short access
         with self.stream.scope():
-            found, n_distinct, bad = distinct_addresses(
-                self.claim_table, table, size, first=first, piece=self.config.call_capacity)
+            found, n_distinct, bad = self.distinct(table, size, first)
             if self.validate:
                 check_distinct(bad, n_distinct, self.config.gpu_slots, self.n_logical,
                                f"a GPU pool of {self.config.gpu_slots} slots")

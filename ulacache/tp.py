@@ -664,16 +664,10 @@ class TPAddressSpace:
         bound = self.gpu_slots + self.buffer_slots
         size = min(bound, table.numel())  # the same on every rank: the table's shape
         with self.stream.scope():
-            # each rank lists its own distinct addresses in its local claim table (no table
-            # over the global addresses); the ranks exchange the lists (int32: addresses are
-            # below MAP_LIMIT) and keep the first `size` in rank order, the same on every rank
-            # (compacted, not sorted: the transient stays a few bytes per entry)
-            mine, n_mine, bad = distinct_addresses(
-                self.local.claim_table, table, size, first=first,
-                piece=self.call_capacity, stripe=(self.P, self.rank, self.n_logical))
-            mine = torch.cat([mine, n_mine.view(1)]).to(torch.int32)
-            lists = self.peers.all_gather(mine).view(self.P, -1)
+            lists, bad = self._own_lists(table, size, first)
             n_distinct = lists[:, size].sum(dtype=torch.int64)
+            # the ranks' lists in rank order, compacted (not sorted: the transient stays a few
+            # bytes per entry; the access does not need them in order)
             listed = lists[:, :size].reshape(-1)
             at = torch.nonzero_static(listed >= 0, size=size, fill_value=-1).view(-1)
             found = torch.where(at >= 0, listed[at.clamp(min=0)].to(torch.int64), -1)
@@ -685,6 +679,31 @@ class TPAddressSpace:
             with self.stream.scope():
                 count_distinct(self.local.groups[group].counters, bad, n_distinct, size)
         self.access(group, found.view(1, -1))
+
+    def _own_lists(self, table: torch.Tensor, size: int, first: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Collective. Every rank's own distinct addresses of ``table``, marked in its local
+        claim table (no table over the global addresses) and exchanged as ``int32``
+        (addresses are below ``MAP_LIMIT``): ``int32 [P, size + 1]``, row ``r`` rank ``r``'s
+        ascending list (``-1`` after it) and its count last; and the table's out-of-range
+        count (the same on every rank)."""
+        mine, n_mine, bad = distinct_addresses(
+            self.local.claim_table, table, size, first=first, piece=self.call_capacity,
+            stripe=(self.P, self.rank, self.n_logical))
+        mine = torch.cat([mine, n_mine.view(1)]).to(torch.int32)
+        return self.peers.all_gather(mine).view(self.P, -1), bad
+
+    def distinct(self, table: torch.Tensor, size: int, first: int = 0
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Collective. :meth:`ulacache.space.AddressSpace.distinct` over the global addresses:
+        ``(found`` ascending ``int64 [size]``, ``-1`` after them, ``n_distinct, n_bad)``, the
+        same on every rank (the ranks' lists merged by one sort of ``P x size`` entries)."""
+        with self.stream.scope():
+            lists, bad = self._own_lists(table, size, first)
+            merged = lists[:, :size].reshape(-1).to(torch.int64)
+            merged = torch.sort(torch.where(merged >= 0, merged, self.n_logical)).values[:size]
+            found = torch.where(merged < self.n_logical, merged, -1)
+            return found, lists[:, size].sum(dtype=torch.int64), bad
 
     def translate(self, group: int, addrs: torch.Tensor) -> torch.Tensor:
         """Rows of :meth:`attn_rows` where addresses are readable now without side effects
