@@ -14,6 +14,7 @@
     python tests/mutants.py prefetch   # the look-ahead prefetch (test_prefetch.py)
     .venv-sglang/bin/python tests/mutants.py sglang_stage  # the stage's SGLang seam
     .venv-sglang/bin/python tests/mutants.py sglang_stripe  # striped index-K's SGLang seams
+    python tests/mutants.py prefill -k "stage"  # only mutants whose description has "stage"
 
 Copies the repository to a temporary directory, applies each mutant below (one line of the core
 changed the way a tired engineer might), runs the core tests there twice with the derandomized
@@ -507,11 +508,20 @@ def main() -> int:
                   "shadows": [(*m, SHADOW_TESTS) for m in SHADOW_MUTANTS],
                   "fused_shadows": [(*m, FUSED_SHADOW_TESTS) for m in FUSED_SHADOW_MUTANTS],
                   "prefetch": [(*m, PREFETCH_TESTS) for m in PREFETCH_MUTANTS]}
-        chosen = sys.argv[1:] or list(suites)
+        args, only = sys.argv[1:], []
+        while "-k" in args:  # -k TEXT: only the mutants whose description contains TEXT
+            i = args.index("-k")
+            if i + 1 == len(args):
+                print("usage: -k needs a text")
+                return 2
+            only.append(args[i + 1])
+            del args[i: i + 2]
+        chosen = args or list(suites)
         if set(chosen) - set(suites):
-            print(f"usage: python tests/mutants.py [{' | '.join(suites)}] ...")
+            print(f"usage: python tests/mutants.py [{' | '.join(suites)}] ... [-k TEXT] ...")
             return 2
-        todo = [m for name in chosen for m in suites[name]]
+        todo = [m for name in chosen for m in suites[name]
+                if not only or any(t in m[3] for t in only)]
         for path, old, new, what, tests in todo:
             target = copy / path
             src = target.read_text()
