@@ -21,7 +21,11 @@ changed the way a tired engineer might), runs the core tests there twice with th
 Hypothesis examples (shrinking off: a failure is all that matters), and reports whether both runs
 failed. Not collected by pytest (the file name does not start with ``test_``).
 
-Last run of ``bufmap tp fused_tp`` (2026-12-06, night: the long-release slot walk, the int32
+Last runs (2026-12-07, no claim table over TP's global addresses): ``bufmap tp fused_tp
+distinct`` 34 of 35 (the miss, a TP rank's share, then caught by a new property test: distinct
+7 of 7); ``prefill -k stage -k production`` 7 of 8 (the miss equivalent under the binary-search
+stage, replaced; the replacement caught).
+Before, ``bufmap tp fused_tp`` (2026-12-06, night: the long-release slot walk, the int32
 plan written by G4, 32 PB-LRU buckets): 25 of 25 caught by every run (11 min on 2 cores).
 Before, ``bufmap tp`` (the same day, after the TP buffer map became a hash table): 16 of 16.
 Before (2026-12-06, after the int32 claim tables, the host-side CPU free stacks and PB-LRU's
@@ -391,8 +395,10 @@ PREFILL_MUTANTS = [  # a prefill longer than the pool: rounds of query spans, or
      "TP round_fits counts the peers' rows of the rank owning most"),
     (DRV, "            space.begin_round()\n            out[a:b]", "            out[a:b]",
      "spans served in one round (the earlier spans' rows stay pinned)"),
-    (PRE, "            keep = (src >= first) & (src < n)",
-     "            keep = (src >= 0) & (src < n)", "the engine's sink entries staged as rows"),
+    # (the sink entries below `first` are never among the distinct addresses, so dropping
+    # `src >= first` here is equivalent; the DISTINCT suite mutates the marking instead)
+    (PRE, "keys = torch.where(found >= 0, found, n)", "keys = found",
+     "the stage searches its padding (-1, last) as if the keys were sorted"),
     (G, "gather_rows(self.pools.cpu[li: li + 1], torch.where(on_cpu, phys - G, -1), dst,",
      "gather_rows(self.pools.cpu[li: li + 1], torch.where(on_cpu, phys, -1), dst,",
      "stage reads CPU rows at their mapping entry, not their CPU slot"),
