@@ -26,8 +26,12 @@ from __future__ import annotations
 import torch
 
 from ulacache import bufmap
+from ulacache.group import NO_CLAIM as FREE_CLAIM
 
 from . import fused_access as fa
+
+HASH_EMPTY = -1
+"""A free claim-hash key (addresses are >= 0)."""
 
 __all__ = ["FusedGates", "TP_COUNTER_COLUMNS"]
 
@@ -54,7 +58,7 @@ if fa.triton is not None:
     T_MISSING, T_OVERFLOW, T_EVICTIONS = (_t["peer_missing"], _t["buffer_overflow"],
                                           _t["buffer_evictions"])
     WANT = tl.constexpr(1)
-    EMPTY, NEVER = tl.constexpr(-1), tl.constexpr(-2)  # claim hash: a free entry; no entry
+    EMPTY, NEVER = tl.constexpr(HASH_EMPTY), tl.constexpr(-2)  # claim hash: free; no entry
     HASH_MULT = tl.constexpr(2654435761)  # Knuth's multiplicative hash (addresses < 2**31)
     WAYS, SPILL = tl.constexpr(bufmap.WAYS), tl.constexpr(bufmap.SPILL)
     HASH1, HASH2 = tl.constexpr(bufmap.HASH1), tl.constexpr(bufmap.HASH2)
@@ -257,8 +261,6 @@ claim-hash index (G1 -> G2), read by no later call; shared by every group of the
 PLAN_DTYPE = torch.int32
 """The plan's entries (src_rank, src_slot, dst_row), per group: every layer of the group reads
 them (:meth:`ulacache.tp.TPAddressSpace.load`) after later groups' gates have run."""
-HASH_EMPTY = -1
-"""A free claim-hash key (addresses are >= 0)."""
 
 
 class GateScratch(fa.Scratch):
@@ -273,12 +275,12 @@ class GateScratch(fa.Scratch):
         super().__init__(device, GATE_DTYPES, block, capacity)
         self.claim_hash = torch.empty(2, 2 * self.cap, dtype=torch.int32, device=device)
         self.claim_hash[0].fill_(HASH_EMPTY)
-        self.claim_hash[1].fill_(torch.iinfo(torch.int32).max)
+        self.claim_hash[1].fill_(FREE_CLAIM)
 
     def is_clean(self) -> bool:
         """Every hash entry free (host read: tests and integrity checks)."""
         return bool((self.claim_hash[0] == HASH_EMPTY).all()) and \
-            bool((self.claim_hash[1] == torch.iinfo(torch.int32).max).all())
+            bool((self.claim_hash[1] == FREE_CLAIM).all())
 
 
 class FusedGates:
