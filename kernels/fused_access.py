@@ -236,7 +236,8 @@ if triton is not None:
     def _k1_claim(addrs, local, loc, claim, phys_out, status, counters, n, N, NG, RANK,
                   shadow, cpu_free, cpu_top, cursor, rowc, round_of, round_t, G,
                   PLACE: tl.constexpr, SHADOWS: tl.constexpr, TPP: tl.constexpr,
-                  BLOCK: tl.constexpr, PREFETCH: tl.constexpr = False):
+                  BLOCK: tl.constexpr, PREFETCH: tl.constexpr = False,
+                  VERDICT: tl.constexpr = True):
         if PLACE and SHADOWS:
             # program 0 first gives back shadows until the free stack holds what this placement
             # may pop (its entries beyond the free GPU slots, PB-LRU's free row count):
@@ -271,8 +272,8 @@ if triton is not None:
             bad = live & (raw != -1) & ~keep & ~peers
             tl.atomic_add(counters + C_INVALID, tl.sum(bad.to(tl.int64)), sem="relaxed")
             st = keep.to(tl.int32)
-            if TPP > 1:  # K4 writes the owner's "not stored" verdict for the peers' table
-                st = st | tl.where(bad, INVALID, 0)
+            if TPP > 1 and VERDICT:  # K4 writes the owner's "not stored" verdict for the
+                st = st | tl.where(bad, INVALID, 0)  # buffered TP mode's peers' table
         tl.atomic_min(claim + safe, i.to(tl.int32), mask=keep, sem="relaxed")
         tl.store(local + i, a, mask=live)
         tl.store(phys_out + i, phys, mask=live)
@@ -752,7 +753,7 @@ class FusedAccess:
 
     def run(self, addrs: torch.Tensor, place: bool, out: torch.Tensor | None = None,
             victim_out: torch.Tensor | None = None, row_base: int = 0,
-            stripe: tuple[int, int, int] | None = None,
+            stripe: tuple[int, int, int] | None = None, verdicts: bool = True,
             prefetch_budget: torch.Tensor | None = None,
             moves: torch.Tensor | None = None) -> None:
         """K1..K4 over the flat contiguous ``addrs`` (``int32|int64``). Access writes the GPU
@@ -791,7 +792,7 @@ class FusedAccess:
         launch(_k1_claim, grid, addrs, local, g.loc, g.claim, phys, status, g.counters, n, N,
                 n_global, rank, g.shadow, g.cpu_free, g.cpu_top, g.reclaim_cursor,
                 p.row_counts, p.round_of, p.round_t, G, SHADOWS=g.shadows and place, TPP=P,
-                **mode)  # (one access variant)
+                VERDICT=verdicts, **mode)  # (one access variant)
         launch(_k2_first_touch, grid, local, g.claim, phys, status, block_want, block_took,
                 block_back, victim,
                 g.counters,

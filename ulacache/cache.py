@@ -71,10 +71,12 @@ class UlaCache:
             # hands out the same addresses; the striped space stores each rank's share
             if peers is None:
                 raise ShapeError("TP mode (tp_size > 1) needs peers (ulacache.ipc)")
-            from .tp import TPAddressSpace
+            if config.tp_attention == "dcp":  # each rank attends its own stripe
+                from .stripe import StripeAddressSpace as Space
+            else:  # each rank copies peers' rows into its buffer
+                from .tp import TPAddressSpace as Space
 
-            self.space = TPAddressSpace(config, peers, n_logical=n_logical,
-                                        layer_groups=layer_groups)
+            self.space = Space(config, peers, n_logical=n_logical, layer_groups=layer_groups)
         else:
             self.space = AddressSpace(config, device, n_logical=n_logical,
                                       layer_groups=layer_groups)

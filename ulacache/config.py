@@ -188,6 +188,11 @@ class UlaCacheConfig(_Checked, frozen=True, forbid_unknown_fields=True, kw_only=
     tp_size: Annotated[int, Meta(ge=1, le=8)] = 1  # ranks striping one address space (TP mode)
     buffer_slots: Annotated[int, Meta(ge=0, le=MAX_GPU_SLOTS)] = 0  # TP: local buffer rows
     shard_indexer: bool = True  # TP: indexer keys striped like the latent (else replicated)
+    # TP: how a rank attends peers' rows. "buffer": copies them into its local buffer and
+    # attends its heads over every selection; "dcp": attends all heads over its own rows only
+    # and the ranks merge partial outputs by log-sum-exp (decode context parallelism, no
+    # buffer: ulacache.stripe)
+    tp_attention: Literal["buffer", "dcp"] = "buffer"
     access_path: AccessPath = "auto"  # fused Triton kernels on CUDA, torch reference elsewhere
     shadows: bool = True  # promoted rows keep their CPU copy: evicting them copies nothing
     # entries one kernel call takes (its scratch is allocated once for this many); larger calls
@@ -195,7 +200,11 @@ class UlaCacheConfig(_Checked, frozen=True, forbid_unknown_fields=True, kw_only=
     call_entries: Optional[Annotated[int, Meta(ge=128, le=1 << 31)]] = None
 
     def _check(self) -> None:
-        if self.tp_size > 1 and self.buffer_slots < 1:
+        if self.tp_attention == "dcp":
+            if self.tp_size < 2 or self.buffer_slots:
+                raise ConfigError("ulacache config key 'tp_attention' 'dcp' needs 'tp_size' > 1 "
+                                  "and no 'buffer_slots' (each rank attends its own rows only)")
+        elif self.tp_size > 1 and self.buffer_slots < 1:
             raise ConfigError("ulacache config key 'buffer_slots' must be >= 1 when 'tp_size' > "
                               "1 (peers' rows are read through the local buffer)")
         if self.tp_size == 1 and self.buffer_slots:
@@ -222,11 +231,17 @@ class UlaCacheConfig(_Checked, frozen=True, forbid_unknown_fields=True, kw_only=
         step is always one call; a prefill page table of ``T x top-k`` entries, and in TP a
         prefill's distinct addresses (up to ``gpu_slots + buffer_slots``), run as several
         calls in one round. TP leaves the own pool out: the scratch (the gates' plan is per
-        group) stays a fixed cost, not one per GPU token.
+        group) stays a fixed cost, not one per GPU token. DCP TP (``tp_attention`` ``"dcp"``)
+        accesses own rows only, as DP does: ``gpu_slots + CALL_FLOOR``.
         """
         if self.call_entries:
             return self.call_entries
-        return (self.buffer_slots if self.tp_size > 1 else self.gpu_slots) + CALL_FLOOR
+        return (self.buffer_slots if self.buffered_tp else self.gpu_slots) + CALL_FLOOR
+
+    @property
+    def buffered_tp(self) -> bool:
+        """TP mode with a local buffer of peers' rows (``tp_attention`` ``"buffer"``)."""
+        return self.tp_size > 1 and self.tp_attention == "buffer"
 
     @property
     def row_layout(self) -> RowLayout:

@@ -113,6 +113,31 @@ def buffer_used(values: dict[str, int]) -> dict[str, int]:
 
 _ERRORS = (ShapeError, AddressError, CapacityExhausted, UlaCacheError)  # verdict order
 
+def agree_verdict(peers, device: torch.device, check) -> None:
+    """Run a host-side ``check`` on every rank of ``peers`` and raise the same error type on
+    every rank if any rank failed, so that no rank mutates (or blocks in a collective) while
+    another has stopped. Collective. The verdict: the most basic failure (bad shape, then bad
+    address, then no capacity) of the lowest rank that found it."""
+    err: Exception | None = None
+    try:
+        check()
+    except _ERRORS as e:
+        err = e
+    code = 0 if err is None else 1 + next(i for i, t in enumerate(_ERRORS)
+                                          if isinstance(err, t))
+    codes = peers.all_gather(torch.tensor([code], dtype=torch.int64,
+                                          device=device)).reshape(-1).tolist()
+    failed = [(c, r) for r, c in enumerate(codes) if c]
+    if not failed:
+        return
+    kind, first = min(failed)
+    if first == peers.rank:
+        raise type(err)(f"rank {peers.rank}: {err}") from err
+    mine = f"; this rank found: {err}" if err is not None else ""
+    raise _ERRORS[kind - 1](f"rank {first} refused this call ({_ERRORS[kind - 1].__name__});"
+                            f" no rank changed anything{mine}")
+
+
 INVALID_ROW = -2
 """An owner's entry in the exchanged slot table for an address it does not store (never
 placed, or released): its peers count it ``invalid``, as the owner does, not
@@ -280,28 +305,7 @@ class TPAddressSpace:
         add_counts(self.tp_counters[gi], TP_COUNTERS, values)
 
     def _agree(self, check) -> None:
-        """Run a host-side check on every rank and raise the same error type on every rank if
-        any rank failed, so that no rank mutates (or blocks in a collective) while another has
-        stopped. The verdict: the most basic failure (bad shape, then bad address, then no
-        capacity) of the lowest rank that found it."""
-        err: Exception | None = None
-        try:
-            check()
-        except _ERRORS as e:
-            err = e
-        code = 0 if err is None else 1 + next(i for i, t in enumerate(_ERRORS)
-                                              if isinstance(err, t))
-        codes = self.peers.all_gather(torch.tensor([code], dtype=torch.int64,
-                                                   device=self.device)).reshape(-1).tolist()
-        failed = [(c, r) for r, c in enumerate(codes) if c]
-        if not failed:
-            return
-        kind, first = min(failed)
-        if first == self.rank:
-            raise type(err)(f"rank {self.rank}: {err}") from err
-        mine = f"; this rank found: {err}" if err is not None else ""
-        raise _ERRORS[kind - 1](f"rank {first} refused this call ({_ERRORS[kind - 1].__name__});"
-                                f" no rank changed anything{mine}")
+        agree_verdict(self.peers, self.device, check)
 
     # -- rounds ---------------------------------------------------------------------------
     def begin_round(self) -> None:

@@ -14,6 +14,11 @@ It has the data flow of DeepSeek-V3.2 / GLM-5 sparse attention, with random weig
   per-head value up-projection and the output projection, added to a residual stream;
 - a final norm and LM head give next-token logits.
 
+TP with decode context parallelism (:class:`AttnShard`): each rank attends all heads over the
+selected rows it owns (position ``p`` on rank ``p mod P``), returns the partial output and its
+log-sum-exp, and the ranks merge the partials (:func:`merge_partials`); the result equals the
+resident attention up to float reassociation of the softmax sum.
+
 There are no MLPs and no q-LoRA: they do not touch the KV cache. Compute is float32 on CPU.
 Index keys live in the model (they are GPU-resident in the real system), never in the store.
 
@@ -46,8 +51,11 @@ __all__ = [
     "apply_rope",
     "indexer_scores",
     "IndexShard",
+    "AttnShard",
     "select_topk",
     "sparse_mla_attention",
+    "sparse_mla_attention_lse",
+    "merge_partials",
 ]
 
 _LARGE_PARAMS = 200_000_000  # refuse to build real-size weights by accident (GBs of RAM)
@@ -315,6 +323,55 @@ def sparse_mla_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, latent: t
     return torch.einsum("bhk,bkr->bhr", torch.softmax(s, dim=-1), c_kv)
 
 
+def sparse_mla_attention_lse(q_latent: torch.Tensor, q_rope: torch.Tensor,
+                             latent: torch.Tensor, valid: torch.Tensor, scale: float
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sparse_mla_attention` over a subset of the selections, with its log-sum-exp.
+
+    Same inputs; returns ``(out`` float32 ``[bs, H, R]``, ``lse`` float32 ``[bs, H])``: ``out``
+    is the softmax-weighted ``c_kv`` over the valid rows only, ``lse`` the natural log of the
+    sum of ``exp(score)`` over them. A query with no valid row gets ``out = 0`` and ``lse =
+    -inf`` (its weight in :func:`merge_partials` is zero)."""
+    r = q_latent.shape[-1]
+    latent = torch.where(valid[..., None], latent, torch.zeros((), dtype=latent.dtype))
+    c_kv, k_rope = latent[..., :r], latent[..., r:]
+    s = (torch.einsum("bhr,bkr->bhk", q_latent, c_kv)
+         + torch.einsum("bhe,bke->bhk", q_rope, k_rope)) * scale
+    s = torch.where(valid[:, None, :], s, torch.full((), -math.inf))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
+    return torch.einsum("bhk,bkr->bhr", p, c_kv), lse
+
+
+def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
+    """Merge the ranks' partial attention outputs: ``outs`` float32 ``[P, bs, H, R]`` and
+    ``lses`` ``[P, bs, H]`` (:func:`sparse_mla_attention_lse` over disjoint row sets) ->
+    ``[bs, H, R]``, the attention over the union of the rows (SGLang's
+    ``cp_lse_ag_out_rs_mla`` correction with a natural-log LSE). Rows of ranks with no valid
+    selection (``lse = -inf``) weigh nothing; a query no rank served gets zeros."""
+    top = lses.amax(0)
+    w = torch.exp(lses - torch.where(torch.isfinite(top), top, 0.0))  # [P, bs, H], <= 1
+    total = w.sum(0)
+    merged = (w[..., None] * outs).sum(0)
+    return torch.where(total[..., None] > 0, merged / total.clamp(min=1e-30)[..., None], 0.0)
+
+
+class AttnShard(NamedTuple):
+    """A TP rank's share of attention under decode context parallelism: it reads and attends
+    only the selected positions ``p`` with ``p mod size == rank`` (the core's stripe: page
+    size a multiple of ``size`` keeps an address's owner equal to its position's), and merges
+    the ranks' partial outputs by their log-sum-exp through ``all_gather`` (``Tensor ->
+    Tensor [size, ...]``)."""
+
+    rank: int
+    size: int
+    all_gather: Callable[[torch.Tensor], torch.Tensor]
+
+    def owns(self, positions: torch.Tensor) -> torch.Tensor:
+        """Whether this rank attends the rows of ``positions`` (``-1``: no)."""
+        return (positions >= 0) & (torch.remainder(positions, self.size) == self.rank)
+
+
 class IndexShard(NamedTuple):
     """A TP rank's share of the indexer: it keeps the index keys of positions ``j`` with
     ``(j // page) mod size == rank`` (1/P of the replicated keys; ``page`` 1: by token, the
@@ -392,6 +449,7 @@ class DSAMLAModel:
         # top-k of the indexer scores: TP mode swaps in the sharded merge (ulacache.indexer)
         self.select: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] = select_topk
         self.index_shard: IndexShard | None = None  # TP: keep and score only own index keys
+        self.attn_shard: AttnShard | None = None  # DCP: attend own rows, merge by LSE
         self._lengths: dict[int, int] = {}
         self._index_keys: dict[int, list[torch.Tensor]] = {}  # req -> per group float32 [len, d]
         logger.debug("DSAMLAModel: %s, seed %d, %d params", g, seed, n_params)
@@ -483,12 +541,20 @@ class DSAMLAModel:
             q = (x @ w.q).view(n, g.n_heads, g.qk_nope_dim + g.qk_rope_dim)
             q_rope = apply_rope(q[..., g.qk_nope_dim:], positions, g.rope_theta)
             q_latent = torch.einsum("nhd,hdr->nhr", q[..., : g.qk_nope_dim], w.uk)
-            got = st.read_selected(layer, reqs, topk)
+            attn = self.attn_shard
+            valid = topk >= 0 if attn is None else attn.owns(topk)
+            got = st.read_selected(layer, reqs, topk if attn is None else
+                                   torch.where(valid, topk, -1))
             if got.dtype != torch.uint8 or got.shape != (n, g.index_topk, g.row_bytes):
                 raise ShapeError(f"read_selected returned {got.dtype} {tuple(got.shape)}, "
                                  f"expected uint8 {(n, g.index_topk, g.row_bytes)}")
             sel_latent = unpack_rows(got, g.layout, g.kv_lora_rank, g.qk_rope_dim, g.fp8_block)
-            o_lat = sparse_mla_attention(q_latent, q_rope, sel_latent, topk >= 0, scale)
+            if attn is None:
+                o_lat = sparse_mla_attention(q_latent, q_rope, sel_latent, valid, scale)
+            else:  # own rows' partial output, merged over the ranks
+                part, lse = sparse_mla_attention_lse(q_latent, q_rope, sel_latent, valid, scale)
+                o_lat = merge_partials(attn.all_gather(part.contiguous()),
+                                       attn.all_gather(lse.contiguous()))
             o = torch.einsum("nhr,hrv->nhv", o_lat, w.uv).reshape(n, -1) @ w.o
             attn_out[layer] = o
             h = h + o
