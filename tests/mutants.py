@@ -9,6 +9,7 @@
     python tests/mutants.py hostile    # refusals and TP verdicts (test_hostile_calls.py)
     python tests/mutants.py pieces     # calls over the scratch (test_core, test_fused_access)
     python tests/mutants.py distinct   # a prefill table's distinct-address access
+    python tests/mutants.py stripe     # DCP TP mode (test_stripe.py, its fused twin)
     python tests/mutants.py shadows fused_shadows  # evictions without write-back
     python tests/mutants.py prefill    # a prefill longer than the pool (rounds, the stage)
     python tests/mutants.py prefetch   # the look-ahead prefetch (test_prefetch.py)
@@ -316,6 +317,31 @@ DISTINCT_MUTANTS = [  # a prefill table's one access on its distinct addresses
      "        bound = self.buffer_slots\n", "TP access_distinct bounded by the buffer alone"),
 ]
 
+STRIPE_TESTS = ["tests/test_stripe.py", "tests/test_fused_tp.py", "-k",
+                "not per_rank_memory and (dcp or stateful or merge or refusals or production)"]
+SP, RM = "ulacache/stripe.py", "ulacache/oracle/refmodel.py"
+STRIPE_MUTANTS = [  # DCP TP mode: each rank's stripe, the partial attention and its merge
+    (SP, "        return flat, inrange, mine, torch.where(mine, local_position(flat, self.P), -1)",
+     "        return flat, inrange, mine, torch.where(inrange, local_position(flat, self.P), -1)",
+     "DCP: a rank accesses its peers' addresses at their local positions"),
+    (SP, "        return self.peers.agree(own <= self.gpu_slots)",
+     "        return own <= self.gpu_slots",
+     "DCP: each rank splits a prefill into its own rounds (no agreement)"),
+    (SP, "                if flat[inrange].unique().numel() != int(inrange.sum()):\n"
+         "                    raise AddressError(\"release: duplicate addrs\")",
+     "                pass", "DCP: a duplicate release refused by its owner only"),
+    (SP, "stripe=(self.P, self.rank, self.n_logical), verdicts=False)",
+     "stripe=(self.P, self.rank, self.n_logical))",
+     "DCP fused: a dead own address reads the buffered mode's -2 verdict"),
+    (RM, "        return (positions >= 0) & (torch.remainder(positions, self.size) == self.rank)",
+     "        return torch.remainder(positions, self.size) == self.rank",
+     "DCP: the last rank attends the -1 padding as a row"),
+    (RM, "    total = w.sum(0)\n", "    total = w.amax(0)\n",
+     "DCP merge: partials normalised by the largest weight, not their sum"),
+    (RM, "    lse = torch.logsumexp(s, dim=-1)\n", "    lse = s.amax(-1)\n",
+     "DCP: a rank reports its largest score as its log-sum-exp"),
+]
+
 SHADOW_TESTS = ["tests/test_shadows.py", "tests/test_stateful.py", "tests/test_core.py", "-k",
                 "not fused and not tight or reclaim"]
 SHADOW_MUTANTS = [  # evictions without write-back, torch path
@@ -507,6 +533,7 @@ def main() -> int:
                   "hostile": [(*m, HOSTILE_TESTS) for m in HOSTILE_MUTANTS],
                   "pieces": [(*m, PIECES_TESTS) for m in PIECES_MUTANTS],
                   "distinct": [(*m, DISTINCT_TESTS) for m in DISTINCT_MUTANTS],
+                  "stripe": [(*m, STRIPE_TESTS) for m in STRIPE_MUTANTS],
                   "interface": [(*m, INTERFACE_TESTS) for m in INTERFACE_MUTANTS],
                   "prefill": [(*m, PREFILL_TESTS) for m in PREFILL_MUTANTS],
                   "sglang_stage": [(*m, SGLANG_STAGE_TESTS) for m in SGLANG_STAGE_MUTANTS],

@@ -136,3 +136,94 @@ def test_tp_fused_decode_equals_resident():
     cfg = tp_config(geom, 2, access_path="fused")
     reports = run_ranks(2, lambda peers: run_equality(geom, cfg, PROMPTS, 6, peers=peers))
     assert_busy_equal(reports, 2, 6, (sum(PROMPTS) + 4 * 6) / 2)
+
+
+# -- DCP TP mode (ulacache.stripe): the DP kernels over the global addresses, no gates --------
+def drive_dcp(path: str, P: int, seed: int) -> list[list[tuple[str, object]]]:
+    """:func:`drive` for the stripe space: place / write / access / release with duplicates,
+    padding, out-of-range and released addresses in the accesses (validate off)."""
+    from ulacache.stripe import StripeAddressSpace
+
+    cfg = UlaCacheConfig(layout="tiny", row_bytes=24, n_layers=2, layers_per_group=1,
+                         gpu_slots=24, cpu_slots=80, n_buckets=3, tp_size=P,
+                         tp_attention="dcp", validate=False, access_path=path,
+                         page_size=P * 4)
+    N = 400
+
+    def body(peers):
+        space = StripeAddressSpace(cfg, peers, n_logical=N)
+        gen = torch.Generator().manual_seed(seed)
+        live: list[int] = []
+        gone: list[int] = []
+        log = []
+
+        def rand(hi, n):
+            return torch.randint(0, hi, (n,), generator=gen)
+
+        def snap():
+            out = {f"g{gi}.{k}": v.clone() for gi, g in enumerate(space.groups)
+                   for k, v in state(g).items()}
+            out["storage"] = torch.stack([space.attn_rows(layer).clone() for layer in range(2)])
+            return out
+
+        for step in range(10):
+            space.begin_round()
+            new = rand(N, 6 * P)
+            new[0] = new[1]
+            slots = space.place(new)
+            fresh = sorted(set(new.tolist()) - set(live) - set(gone))
+            for layer in range(cfg.n_layers):
+                rows = (torch.arange(len(fresh) * 24, dtype=torch.int64).view(-1, 24) * 7
+                        + layer + step).to(torch.uint8)
+                space.write(layer, torch.tensor(fresh, dtype=torch.int64), rows)
+            live += fresh
+            log.append(("place", slots.clone(), snap()))
+            for _ in range(2):
+                pick = torch.tensor(live)[rand(len(live), 3 * 16)].view(3, 16)
+                pick[0, :4] = -1
+                pick[1, 0] = N + 5  # out of range: -1 and counted invalid on every rank
+                if gone:
+                    pick[2, 0] = gone[0]  # released: -1, counted invalid by its owner
+                dtype = (torch.int32, torch.int64)[step % 2]
+                rows = torch.stack([space.access(0, pick.to(dtype)),
+                                    space.access(1, pick.to(dtype))])
+                log.append(("access", rows.clone(), snap()))
+            if step % 3 == 2:
+                space.release(torch.tensor(live[:5]))
+                gone += live[:5]
+                live = live[5:]
+                log.append(("release", None, snap()))
+        space.check_integrity()
+        return log
+
+    return run_ranks(P, body)
+
+
+@pytest.mark.parametrize("P,seed", [(2, 0), (4, 1)])
+def test_dcp_fused_matches_torch_every_operation(P, seed):
+    ref, fused = drive_dcp("torch", P, seed), drive_dcp("fused", P, seed)
+    for rank in range(P):
+        assert len(ref[rank]) == len(fused[rank])
+        for i, ((op, r_out, r_state), (_, f_out, f_state)) in enumerate(zip(ref[rank],
+                                                                          fused[rank])):
+            where = f"rank {rank}, operation {i} ({op})"
+            if r_out is not None:
+                assert torch.equal(r_out, f_out), f"{where}: results differ"
+                assert op != "access" or int(f_out.min()) >= -1  # no buffered-TP verdicts
+            for k in r_state:
+                assert torch.equal(r_state[k], f_state[k]), f"{where}: {k} differs"
+        counters = ref[rank][-1][2]["g0.counters"]
+        from ulacache.group import COUNTERS
+
+        named = dict(zip(COUNTERS, counters.tolist()))
+        assert named["promotions"] and named["spills"] and named["invalid"], (rank, named)
+
+
+def test_dcp_fused_decode_matches_resident():
+    from tests.test_stripe import PROMPTS as DCP_PROMPTS
+    from tests.test_stripe import assert_close_and_busy, dcp_config
+
+    geom = ModelGeometry.tiny(layout="fp8", layers_per_indexer=2)
+    cfg = dcp_config(geom, 2, access_path="fused")
+    reports = run_ranks(2, lambda peers: run_equality(geom, cfg, DCP_PROMPTS, 6, peers=peers))
+    assert_close_and_busy(reports, 6, (sum(DCP_PROMPTS) + 4 * 6) / 2)

@@ -127,6 +127,45 @@ def test_tp_formula_bounds_a_ranks_tables(P, N, ratio, nb, L, lpg, B, path):
                                                        extra=extra), (per, fixed, real)
 
 
+@pytest.mark.parametrize(("P", "N", "ratio", "nb", "L", "lpg"),
+                         [(2, 1024, 5, 4, 4, 1), (4, 8192, 3, 64, 4, 2), (8, 2048, 1, 8, 2, 1)])
+@PATHS
+def test_dcp_formula_bounds_a_ranks_tables(P, N, ratio, nb, L, lpg, path):
+    """DCP TP (``tp_attention`` "dcp"): each rank's tables are the DP core's over its stripe
+    (``N / P`` GPU slots, ``ceil((ratio N + page) / P)`` positions), nothing else."""
+    from ulacache.stripe import StripeAddressSpace
+
+    fused = _path(path)
+    G = N // P
+    cfg = UlaCacheConfig(layout="tiny", row_bytes=1, n_layers=L, layers_per_group=lpg,
+                         gpu_slots=G, cpu_slots=(ratio - 1) * G, n_buckets=nb, tp_size=P,
+                         tp_attention="dcp", page_size=PAGE, access_path=path)
+
+    def rank(peers):
+        space = StripeAddressSpace(cfg, peers, n_logical=ratio * N + PAGE)
+        rows = [t for g in space.groups for t in (g.pools.gpu, g.pools.cpu,
+                                                  g.pools.cpu_free_host)]
+        return device_table_bytes(space, rows)
+
+    per, fixed = table_bytes_per_slot(cfg.n_groups, ratio=ratio, page_size=PAGE, n_buckets=nb,
+                                      tp_size=P, dcp=True, call_scratch=fused)
+    for parts in run_ranks(P, rank):
+        real = sum(parts.values())
+        extra = 128 * 28 + 16 if fused else 0
+        assert real <= per * N + fixed <= real + slack(N // P, cfg.n_groups, nb, "pblru",
+                                                       extra=extra), (per, fixed, real)
+    # the tables (scratch aside: DCP's calls are sized by the own pool, like DP's) are the
+    # buffered mode's without a buffer: below them at any buffer size
+    dcp_tables = table_bytes_per_slot(cfg.n_groups, ratio=ratio, page_size=PAGE,
+                                      n_buckets=nb, tp_size=P, dcp=True, call_scratch=False)
+    buffered = table_bytes_per_slot(cfg.n_groups, ratio=ratio, page_size=PAGE, n_buckets=nb,
+                                    tp_size=P, buffer_slots=1, layers=L, call_scratch=False)
+    assert dcp_tables[0] <= buffered[0] and dcp_tables[1] < buffered[1]
+    with pytest.raises(ConfigError):
+        table_bytes_per_slot(1, ratio=ratio, page_size=PAGE, tp_size=P, buffer_slots=64,
+                             dcp=True)
+
+
 def test_start_up_check_refuses_exactly_past_the_formula(monkeypatch):
     """``_check_memory`` charges the device exactly the GPU pool plus :func:`table_bytes`: one
     byte less of free device memory refuses, that much passes (so sizing and the check agree)."""

@@ -17,9 +17,13 @@ ranks merge partial outputs by log-sum-exp, so no rank holds a copy of a peer's 
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, rule
 
 from ulacache.config import UlaCacheConfig
 from ulacache.errors import AddressError, CapacityExhausted, ConfigError, ShapeError
@@ -32,6 +36,8 @@ from ulacache.oracle.refmodel import (
     sparse_mla_attention_lse,
 )
 from ulacache.stripe import StripeAddressSpace
+
+from .test_tp import Ranks, TPMachine
 
 PROMPTS = [150, 90, 40, 120]
 
@@ -230,3 +236,56 @@ def test_production_mode_masks_bad_input_and_serves_only_own_rows():
         assert rows[6:] == [-1, -1, -1, -1]
         assert invalid == 2  # its own dead address (40 or 41) and 99 (out of range), once
         assert trans == rows[:6]
+
+
+# -- stateful, across ranks ----------------------------------------------------------------------
+class DCPMachine(TPMachine):
+    """:class:`tests.test_tp.TPMachine`'s rules (place + write, rewrite, access, release with
+    duplicates, rounds; every rank's invariants and every live address read back from every
+    rank after each) over stripe spaces: G = 6, C = 10 per rank, no buffer. An access returns
+    a row exactly for each rank's own selections, holding the address's bytes."""
+
+    @initialize(P=st.sampled_from([2, 4]), shared=st.booleans(), seed=st.integers(0, 2**16))
+    def setup(self, P, shared, seed):
+        self.cfg = UlaCacheConfig(layout="tiny", row_bytes=self.RB, n_layers=self.LAYERS,
+                                  layers_per_group=2 if shared else 1, gpu_slots=6,
+                                  cpu_slots=10, page_size=4, n_buckets=2, tp_size=P,
+                                  tp_attention="dcp")
+        self.P = P
+        self.ranks = Ranks(P, self.cfg, self.N, space_cls=StripeAddressSpace)
+        self.rng = random.Random(seed)
+        self.truth = {}
+        self.ops = 0
+
+    @rule(bs=st.integers(1, 3), k=st.integers(1, 5), pad=st.booleans())
+    def access(self, bs, k, pad):
+        if not self.truth:
+            return
+        live = self.rng.sample(sorted(self.truth), min(len(self.truth), self.rng.randint(1, 9)))
+        sel = torch.tensor([[self.rng.choice(live) if not (pad and self.rng.random() < 0.2)
+                             else -1 for _ in range(k)] for _ in range(bs)])
+        gi = self.rng.randrange(len(self.ranks.spaces[0].groups))
+        layers = self.ranks.spaces[0].groups[gi].layers
+
+        def op(s):
+            rows = s.access(gi, sel)
+            return rows, [s.attn_rows(layer)[rows.clamp(min=0).long()] for layer in layers]
+        res = self.ranks.run(op)
+        if isinstance(res[0], CapacityExhausted):
+            self._same(res)
+            return
+        for rank, (rows, got) in enumerate(res):
+            assert not isinstance(rows, Exception), rows
+            own = (sel >= 0) & (sel % self.P == rank)
+            assert torch.equal(rows >= 0, own), "a row exactly for each own selection"
+            for li, layer in enumerate(layers):
+                for (b, j), a in zip(torch.cartesian_prod(torch.arange(bs), torch.arange(k))
+                                     .tolist(), sel.reshape(-1).tolist()):
+                    if a >= 0 and a % self.P == rank:
+                        assert bytes(got[li][b, j].tolist()) == self.truth[a][layer], \
+                            f"address {a} layer {layer} read wrong bytes"
+        self.ops += 1
+
+
+DCPMachine.TestCase.settings = settings(max_examples=12, stateful_step_count=40, deadline=None)
+test_dcp_stateful = DCPMachine.TestCase

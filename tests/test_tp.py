@@ -166,12 +166,12 @@ class Ranks:
     """P simulated ranks driven in lockstep: ``run(fn)`` calls ``fn(rank)`` on every rank at
     once (one thread each, as collectives require) and returns the results in rank order."""
 
-    def __init__(self, P: int, cfg: UlaCacheConfig, n_logical: int):
+    def __init__(self, P: int, cfg: UlaCacheConfig, n_logical: int, space_cls=TPAddressSpace):
         self.P = P
         self.hub = ThreadHub(P, timeout=30)
         self.pool = ThreadPoolExecutor(max_workers=P)
         peers = [self.hub.peers(r) for r in range(P)]
-        self.spaces = self.run(lambda r: TPAddressSpace(cfg, peers[r], n_logical=n_logical),
+        self.spaces = self.run(lambda r: space_cls(cfg, peers[r], n_logical=n_logical),
                                raw=True)
 
     def run(self, fn, raw: bool = False):

@@ -185,7 +185,7 @@ def table_bytes_per_slot(groups: int, *, ratio: int, page_size: int,
                          policy: str = "pblru", tp_size: int = 1, buffer_slots: int = 0,
                          layers: int = 0, call_scratch: bool = True,
                          call_entries: int | None = None, prefetch: bool = False,
-                         deferred_moves: bool = False) -> tuple[int, int]:
+                         deferred_moves: bool = False, dcp: bool = False) -> tuple[int, int]:
     """:func:`table_bytes` of the geometry an engine builds from its GPU token count ``x``
     (SGLang's ``max_total_num_tokens``): ``(per_slot, fixed)`` device bytes per rank.
 
@@ -195,16 +195,20 @@ def table_bytes_per_slot(groups: int, *, ratio: int, page_size: int,
     rank holds ``x / P`` own GPU slots, ``(ratio - 1) x / P`` CPU slots, a local address space
     over ``ceil((ratio x + page_size) / P)`` positions, and ``buffer_slots`` buffer rows per
     group over the global addresses (:class:`ulacache.tp.TPAddressSpace`; ``layers`` sizes its
-    peer pointer tables).
+    peer pointer tables). ``dcp`` (TP with ``tp_attention`` ``"dcp"``,
+    :class:`ulacache.stripe.StripeAddressSpace`): the same stripe, no buffer: each rank's
+    tables are the DP core's over its stripe.
     """
-    if tp_size < 1 or ratio < 1 or (tp_size > 1) != (buffer_slots > 0):
+    buffered = tp_size > 1 and not dcp
+    if tp_size < 1 or ratio < 1 or buffered != (buffer_slots > 0) or (dcp and tp_size < 2):
         raise ConfigError(f"table_bytes_per_slot: ratio {ratio} and tp_size {tp_size} must be "
-                          f">= 1, with buffer_slots ({buffer_slots}) > 0 exactly in TP mode")
+                          f">= 1, with buffer_slots ({buffer_slots}) > 0 exactly in buffered "
+                          f"TP mode (dcp: {dcp}, which needs tp_size >= 2)")
     P = Fraction(tp_size)
     x = Affine(Fraction(1))
     n_global = ratio * x + page_size
-    tp = None if tp_size == 1 else TPTables(n_global, buffer_slots, tp_size, layers)
-    return table_bytes(groups, n_logical=n_global.ceil_div(tp_size) if tp else n_global,
+    tp = TPTables(n_global, buffer_slots, tp_size, layers) if buffered else None
+    return table_bytes(groups, n_logical=n_global.ceil_div(tp_size),
                        gpu_slots=x * (1 / P),
                        n_buckets=n_buckets, policy=policy, tp=tp, call_scratch=call_scratch,
                        call_entries=call_entries, prefetch=prefetch,
