@@ -27,6 +27,7 @@ from typing import Any
 from .launch import building, layer_groups_from_skip, plan_launch, sglang_options
 from .sglang_allocator import ADMISSION_HOOKS, UlaCacheTokenToKVPoolAllocator
 from .sglang_coordinator import UlaCacheCoordinator
+from .sglang_dcp import DCP_HOOKS
 from .sglang_index_stripe import STRIPE_HOOKS
 from .sglang_pool import UlaCacheDSATokenToKVPool
 from .sglang_sizing import SIZING_HOOKS
@@ -88,5 +89,6 @@ EXTRA_HOOKS: dict[str, tuple[Any, str]] = {
     **ADMISSION_HOOKS,
     **TP_HOOKS,
     **STRIPE_HOOKS,
+    **DCP_HOOKS,
 }
 """Hooks the plugin registers with the class swaps when the ulacache backend is selected."""

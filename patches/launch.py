@@ -9,8 +9,9 @@ without the hooks handing state to each other:
 * the ``--ulacache-config`` options (:func:`sglang_options`, from SGLang's published server args);
 * the model's top-k sharing pattern (``dsa_layer_skips_topk``) over this worker's layers, which
   makes the selection groups (:func:`layer_groups_from_skip`);
-* the stripe width (SGLang's attention-TP group in mode ``"tp"``, else 1), top-k, draft tokens
-  and ``--max-running-requests``, which size TP mode's buffer (:meth:`LaunchPlan.buffer_slots`).
+* the stripe width (SGLang's attention-TP group in modes ``"tp"`` and ``"dcp"``, else 1), top-k,
+  draft tokens and ``--max-running-requests``, which size TP mode's buffer
+  (:meth:`LaunchPlan.buffer_slots`; mode ``"dcp"`` has none).
 
 SGLang's pool call site passes no ulacache argument, so the pool-building hook scopes the plan
 around that one call (:func:`building`); a pool built anywhere else takes it as
@@ -149,12 +150,17 @@ class LaunchPlan:
     stage_tokens: int = 0  # rows of the DP prefill stage (0: none)
 
     def __post_init__(self):
-        tp = self.options.mode == "tp"
-        if (self.tp_size > 1) != tp or (tp and self.tp_size not in TP_SIZES):
+        if (self.tp_size > 1) != self.striped or (self.striped and self.tp_size not in TP_SIZES):
             raise ConfigError(
-                f"ulacache {self.options.mode.upper()} mode over {self.tp_size} rank(s): mode "
-                f"'tp' stripes over the attention-TP group, whose size must be one of "
+                f"ulacache {self.options.mode.upper()} mode over {self.tp_size} rank(s): modes "
+                f"'tp' and 'dcp' stripe over the attention-TP group, whose size must be one of "
                 f"{TP_SIZES}; mode 'dp' runs one address space per rank")
+
+    @property
+    def striped(self) -> bool:
+        """Whether the ranks of the attention-TP group stripe one address space (modes
+        ``"tp"`` and ``"dcp"``)."""
+        return self.options.mode in ("tp", "dcp")
 
     @property
     def mode(self) -> str:
@@ -162,9 +168,9 @@ class LaunchPlan:
 
     @property
     def buffer_slots(self) -> int:
-        """TP mode's local buffer rows per rank, group and layer (0 in DP mode); raises
-        :class:`ConfigError` when TP mode cannot size it."""
-        if self.tp_size == 1:
+        """TP mode's local buffer rows per rank, group and layer (0 in modes DP and DCP);
+        raises :class:`ConfigError` when TP mode cannot size it."""
+        if self.options.mode != "tp":
             return 0
         return resolve_buffer_slots(self.options, self.max_running_requests, self.top_k,
                                     self.draft_tokens)
@@ -208,7 +214,7 @@ def plan_launch(kvc) -> LaunchPlan:
     return LaunchPlan(options=opts, skip_topk_layers=model_skip_flags(kvc),
                       top_k=int(top_k or DEFAULT_TOP_K), draft_tokens=draft_tokens(),
                       max_running_requests=max_running_requests(),
-                      tp_size=int(tp_group().world_size) if opts.mode == "tp" else 1,
+                      tp_size=int(tp_group().world_size) if opts.mode in ("tp", "dcp") else 1,
                       stage_tokens=stage_tokens(
                           opts, getattr(kvc.model_config, "context_len", None)))
 
@@ -216,8 +222,8 @@ def plan_launch(kvc) -> LaunchPlan:
 def stage_tokens(opts: SGLangOptions, context_len: int | None) -> int:
     """Rows of the DP prefill stage: ``prefill_stage``, or when null the model's context length
     (one longest request; 0 when unknown, as for a pool built outside SGLang's call site);
-    0 in TP mode."""
-    if opts.mode == "tp":
+    0 in modes TP and DCP."""
+    if opts.mode in ("tp", "dcp"):
         return 0
     if opts.prefill_stage is not None:
         return opts.prefill_stage

@@ -244,9 +244,9 @@ def verify() -> None:
     verify_hooks(expected_hooks())
 
 
-def verify_tp() -> None:
-    """TP mode's start-up check (called by the TP pool): when the plugin installed the class
-    swaps in this process, the TP hooks must be registered and in effect, else
+def verify_tp(mode: str = "tp") -> None:
+    """Modes TP and DCP's start-up check (called by the pool): when the plugin installed the
+    class swaps in this process, the mode's hooks must be registered and in effect, else
     ``HookVerificationError``. Classes built directly (tests, tools) skip it."""
     from ulacache.patches.verify import verify_tp_hooks  # noqa: PLC0415
 
@@ -254,7 +254,7 @@ def verify_tp() -> None:
     if not any(h.target in CLASS_TARGETS for h in hooks):
         logger.debug("ulacache: TP classes built without the plugin's class swaps")
         return
-    verify_tp_hooks(hooks)
+    verify_tp_hooks(hooks, mode)
 
 
 def register() -> None:

@@ -65,7 +65,7 @@ _KV_BACKEND_HELP = (
 )
 _ULACACHE_CONFIG_HELP = (
     "UlaCache settings as a JSON object, read only with --kv-backend ulacache; keys "
-    "(ulacache.config.SGLangOptions): mode (dp|tp, default dp), cpu_ratio (CPU slots per GPU "
+    "(ulacache.config.SGLangOptions): mode (dp|tp|dcp, default dp), cpu_ratio (CPU slots per GPU "
     "slot, 4), n_buckets (PB-LRU recent buckets, 64), policy (pblru|lru), validate (host "
     "checks every step, false), access_path (auto|torch|fused, auto: fused on CUDA), "
     "shadows (promoted rows keep their CPU copy so evicting them writes nothing back, true), "
@@ -127,9 +127,10 @@ def _validate_content(config: dict[str, Any]) -> None:
         validator(config)
 
 
-def _illegal_raw_combinations(args: Any) -> list[str]:
+def _illegal_raw_combinations(args: Any, config: dict[str, Any] | None = None) -> list[str]:
     """Combinations with ``--kv-backend`` that are wrong whatever the model (raw inputs)."""
     backend = args.kv_backend
+    dcp_mode = backend == "ulacache" and (config or {}).get("mode") == "dcp"
     problems = []
     if args.ulacache_config not in (None, "") and backend != "ulacache":
         problems.append(
@@ -137,8 +138,9 @@ def _illegal_raw_combinations(args: Any) -> list[str]:
         )
     if backend == "default":
         return problems
-    if getattr(args, "dcp_size", 1) and args.dcp_size > 1:
-        problems.append(f"--dcp-size {args.dcp_size} (HiSparse host pools have no DCP layout)")
+    if getattr(args, "dcp_size", 1) and args.dcp_size > 1 and not dcp_mode:
+        problems.append(f"--dcp-size {args.dcp_size} (HiSparse host pools have no DCP layout; "
+                        "ulacache: only with --ulacache-config mode 'dcp')")
     if getattr(args, "enable_kv_cache_sharding", False):
         problems.append("--enable-kv-cache-sharding (HiSparse excludes KV sharding)")
     if backend == "ulacache" and getattr(args, "enable_mixed_chunk", False):
@@ -186,6 +188,36 @@ TP_LEGAL = (
     "attention DP), SGLANG_DSA_TOPK_BROADCAST=1 in the environment"
 )
 """The legal TP-mode combination, as error messages state it."""
+
+
+DCP_LEGAL = (
+    "mode 'dcp': --dcp-size equal to the attention-TP size (2, 4 or 8), --kv-cache-dtype "
+    "fp8_e4m3, no speculative decoding, SGLANG_DSA_TOPK_BROADCAST=1 in the environment"
+)
+"""The legal DCP-mode combination, as error messages state it."""
+
+
+def _illegal_dcp_combinations(args: Any, config: dict[str, Any]) -> list[str]:
+    """Combinations ``--ulacache-config '{"mode": "dcp"}'`` cannot serve (raw inputs): mode
+    ``"dcp"`` stripes over the attention-TP group (TP mode's rules) and attends through
+    SGLang's DCP, whose group must be that same group (``--dcp-size`` = attention-TP size);
+    its attention branch is FlashMLA's fp8 sparse decode (``patches/sglang_dcp.py``); a draft
+    model's pools under DCP are not built."""
+    if args.kv_backend != "ulacache" or config.get("mode") != "dcp":
+        return []
+    problems = _illegal_tp_combinations(args, {**config, "mode": "tp"})
+    tp, adp = int(args.tp_size or 1), int(getattr(args, "attn_dp_size", 1) or 1)
+    dcp = int(getattr(args, "dcp_size", 1) or 1)
+    if dcp != tp // max(1, adp):
+        problems.append(f"--dcp-size {dcp} with an attention-TP size of {tp // max(1, adp)} "
+                        "(mode 'dcp' needs them equal)")
+    dtype = str(getattr(args, "kv_cache_dtype", "auto") or "auto")
+    if dtype not in ("fp8_e4m3", "auto"):
+        problems.append(f"--kv-cache-dtype {dtype} (FlashMLA's sparse decode reads fp8_e4m3)")
+    if str(getattr(args, "speculative_algorithm", None) or "NONE").upper() != "NONE":
+        problems.append(f"--speculative-algorithm {args.speculative_algorithm} (a draft model's "
+                        "pools under DCP are not built)")
+    return problems
 
 
 def _illegal_tp_combinations(args: Any, config: dict[str, Any]) -> list[str]:
@@ -240,19 +272,22 @@ class UlaServerArgs(_sglang_server_args.ServerArgs):
             # like a CLI value.
             self.ulacache_config = json.dumps(self.ulacache_config, sort_keys=True)
         config = parse_ulacache_config(self.ulacache_config)
-        problems = _illegal_raw_combinations(self)
+        problems = _illegal_raw_combinations(self, config)
         tp_problems = _illegal_tp_combinations(self, config)
-        if problems or tp_problems:
+        dcp_problems = _illegal_dcp_combinations(self, config)
+        if problems or tp_problems or dcp_problems:
             raise ConfigError(
                 f"--kv-backend {self.kv_backend} cannot be combined with: "
-                + "; ".join(problems + tp_problems)
-                + ". Legal: --kv-backend hisparse|ulacache with --dcp-size 1 and without "
+                + "; ".join(problems + tp_problems + dcp_problems)
+                + ". Legal: --kv-backend hisparse|ulacache with --dcp-size 1 (ulacache mode "
+                "'dcp': the attention-TP size) and without "
                 "--enable-kv-cache-sharding"
                 + (", --enable-mixed-chunk, --use-ray, --disaggregation-mode, --pp-size > 1, "
                    "--attn-cp-size > 1 or --speculative-algorithm NGRAM; "
                    if self.kv_backend == "ulacache" else "; ")
                 + "--ulacache-config only with --kv-backend ulacache"
-                + (f"; {TP_LEGAL}." if tp_problems else ".")
+                + (f"; {TP_LEGAL}" if tp_problems else "")
+                + (f"; {DCP_LEGAL}" if dcp_problems else "") + "."
             )
         if self.kv_backend == "ulacache":
             _validate_content(config)

@@ -10,6 +10,14 @@ The launch plan (:mod:`ulacache.patches.launch`) chooses the mode, once, at cons
   buffer of ``B`` rows of copies of peers' rows, in tensors its peers can map (POSIX shared
   memory on CPU, CUDA IPC on GPU). Every rank computes the same latent rows, so the owner
   stores its own tokens and every other rank its copy in the buffer slot the placement gave it.
+* ``"dcp"``: the same stripe under SGLang's decode context parallelism (``--dcp-size P``, the
+  attention-TP group): each rank attends all heads over its own rows and SGLang merges the
+  partial outputs by log-sum-exp (:class:`~ulacache.stripe.StripeAddressSpace`). No buffer and
+  nothing shared: the rows are a plain local tensor, as in DP mode; writes of peers' tokens
+  land in the sink, and every row a rank returns is one of its own (``-1`` elsewhere).
+  ``N`` keeps TP mode's meaning (the group's GPU tokens; a rank holds ``N / P``), so the
+  allocator and index-K are TP mode's; the pool sets SGLang's ``dcp_replicated`` so that its
+  write kernel takes ulacache's rows as they are (``memory_pool.py:4918-4941``).
 
 From then on the pool, the allocator and the coordinator call only the core's declared
 interface (:class:`ulacache.core.Core`). One tensor per selection group ``[L_g, R, 1,
@@ -43,6 +51,7 @@ from ulacache.layout import PoolRows, RowLayout
 from ulacache.prefill import PrefillStage
 from ulacache.space import AddressSpace
 from ulacache.streams import capturing
+from ulacache.stripe import StripeAddressSpace
 from ulacache.tp import TPAddressSpace
 
 from . import sglang_tp_support as tps
@@ -71,6 +80,21 @@ def make_tp_peers(grp, device):
         return CudaIpcPeers(grp.cpu_group, device=dev,
                             collective=lambda out, inp: tps.all_gather_into(grp, out, inp))
     return ShmPeers(grp.cpu_group)
+
+
+def require_dcp_group(grp) -> None:
+    """Mode ``"dcp"``: SGLang's DCP group must be the striping group (``--dcp-size`` equal to
+    the attention-TP size, DCP rank = the rank in it), or the partial outputs SGLang merges
+    would not be the stripes ulacache serves."""
+    from sglang.srt.runtime_context import get_parallel
+
+    par = get_parallel()
+    size, rank = int(par.attn_dcp_size), int(par.attn_dcp_rank)
+    if size != int(grp.world_size) or rank != int(grp.rank_in_group):
+        raise ConfigError(
+            f"ulacache mode 'dcp' stripes over the attention-TP group ({grp.world_size} "
+            f"ranks, this one {grp.rank_in_group}); SGLang's DCP group has {size} ranks (this "
+            f"one {rank}): launch with --dcp-size equal to the attention-TP size")
 
 
 @dataclass(frozen=True)
@@ -117,16 +141,19 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
         base = ulacache_plan or plan_being_built()
         opts = ulacache_options or (base.options if base is not None else sglang_options())
         grp = None
-        if opts.mode == "tp":  # the one place the mode is chosen
+        if opts.mode in ("tp", "dcp"):  # the one place the mode is chosen
             from .plugin import verify_tp
 
-            verify_tp()  # a launch whose TP hooks did not take effect stops here, loudly
+            verify_tp(opts.mode)  # a launch whose hooks did not take effect stops here, loudly
             tps.require_topk_agreement()
             grp = ulacache_tp_group or tp_group()
             P = int(grp.world_size)
+            if opts.mode == "dcp" and ulacache_tp_group is None:
+                require_dcp_group(grp)
             if P not in TP_SIZES or page_size % P or size % P:
                 raise ConfigError(
-                    f"ulacache TP mode stripes over the attention-TP group: its size must be one "
+                    f"ulacache {opts.mode.upper()} mode stripes over the attention-TP group: its "
+                    f"size must be one "
                     f"of {TP_SIZES} and divide the page ({page_size}) and the pool ({size} "
                     f"tokens); got {P} ranks")
         P = 1 if grp is None else int(grp.world_size)
@@ -148,6 +175,7 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
         self.ula_tp = None if grp is None else \
             TPMembership(grp, ulacache_peers or make_tp_peers(grp, device))
         self.ula_rows = PoolRows(page_size, size // P, plan.buffer_slots)  # for _create_buffers
+        self.ula_buffered = opts.mode == "tp"  # peers' rows copied into a shared buffer
         super().__init__(size, page_size, kv_lora_rank, dtype, qk_rope_head_dim, layer_num,
                          device, index_head_dim, enable_memory_saver, kv_cache_dim,
                          start_layer=start_layer, end_layer=end_layer, index_kpool=index_kpool,
@@ -156,6 +184,10 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
                          max_running_requests=max_running_requests,
                          skip_topk_layers=skip_topk_layers,
                          host_to_device_ratio=host_to_device_ratio)
+        if opts.mode == "dcp":
+            # SGLang's MLA write localizes global slots (slot % P, slot // P) unless the pool
+            # says its rows are resolved; ulacache's translation already did it
+            self.dcp_replicated = True
         ratio = int(host_to_device_ratio)
         cfg = self.core_config(ratio, max_running_requests)
         self.core: Core = self._build_core(cfg, n_logical=size * ratio + page_size)
@@ -184,7 +216,8 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
         gpu_slots = rows.gpu_slots
         tp = {} if self.ula_tp is None else dict(
             tp_size=self.ula_plan.tp_size, buffer_slots=rows.buffer_slots,
-            shard_indexer=opts.shard_indexer)
+            shard_indexer=opts.shard_indexer) if self.ula_buffered else dict(
+            tp_size=self.ula_plan.tp_size, tp_attention="dcp")
         return UlaCacheConfig(
             layout=row.name, row_bytes=row.row_bytes if row.name == "tiny" else None,
             n_layers=self.layer_num, gpu_slots=gpu_slots,
@@ -212,7 +245,7 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
         R = self.ula_rows.total
         self._ula_storage: list[tuple[str, torch.Tensor]] = []
         self._stage_storage = self._stage_buffer = None
-        if self.ula_tp is None:
+        if not self.ula_buffered:  # DP and DCP: a local tensor (nothing for peers to map)
             saver = getattr(self, "memory_saver_adapter", None)
             pool = getattr(self, "custom_mem_pool", None)
             from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
@@ -242,11 +275,14 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
     def _build_core(self, cfg: UlaCacheConfig, n_logical: int) -> Core:
         layer_ids = [[x - self.start_layer for x in g] for g in self.ula_groups]
         rows = self.ula_rows
+        own = [t[:, rows.row_base: rows.row_base + rows.core_rows] for _, t in self._ula_storage]
         if self.ula_tp is None:
             return AddressSpace(cfg, self.device, n_logical=n_logical, layer_groups=layer_ids,
-                                gpu_storage=[t[:, rows.row_base: rows.row_base + rows.core_rows]
-                                             for _, t in self._ula_storage],
-                                row_base=rows.row_base)
+                                gpu_storage=own, row_base=rows.row_base)
+        if not self.ula_buffered:
+            return StripeAddressSpace(cfg, self.ula_tp.peers, n_logical=n_logical,
+                                      layer_groups=layer_ids, gpu_storage=own,
+                                      row_base=rows.row_base)
         return TPAddressSpace(cfg, self.ula_tp.peers, n_logical=n_logical,
                               layer_groups=layer_ids, storage=self._ula_storage,
                               row_offset=rows.row_base)
@@ -384,8 +420,11 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
         slots = self.core.translate(gi, addrs).to(torch.int64)
         if self.core.validate and not capturing(self.core.device):
             g = self.core.groups[gi]
+            attended = addrs >= 0
+            if self.ula_tp is not None and not self.ula_buffered:  # DCP: own rows only
+                attended &= addrs % self.ula_tp.size == self.ula_tp.rank
             if self._prefill_round[gi] != self.core.round_serial or \
-                    bool(((addrs >= 0) & (slots < 0)).any()):
+                    bool((attended & (slots < 0)).any()):
                 raise StaleSelectionError(
                     f"layer {layer_id} shares selection group {gi}, whose anchor layer "
                     f"{g.layers[0] + self.start_layer} did not make these rows resident "

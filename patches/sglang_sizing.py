@@ -21,6 +21,10 @@ knows nothing of ulacache, so one AROUND hook on ``DefaultPoolConfigurator.__ini
   ``B`` buffer rows, padding to a page) as fixed overhead. Index-K stays charged in full
   (replicated on every rank), or with ``stripe_index_k`` ``1/P`` of it per token and three
   pages per indexer layer (:func:`striped_index_k_charge`);
+* DCP mode: TP mode's charge with no buffer rows and the DP core's tables over the stripe.
+  SGLang's ``N`` keeps TP mode's meaning (global GPU tokens); stock SGLang counts a DCP pool's
+  tokens per rank and so charges index-K ``dcp_size`` times per token
+  (``pool_configurator.py:399-409``), which is taken back first;
 * DP mode with a prefill stage (``LaunchPlan.stage_tokens``, ``prefill_stage``): one
   layer's rows of it (:class:`ulacache.layout.PoolRows` over the stage: sink page, the staged
   rows, scratch, padding to a page), fixed;
@@ -68,6 +72,9 @@ def pool_configurator_init_around(original_fn, self, kvc, *args, **kwargs):
                                      kv_cache_dtype=kvc.kv_cache_dtype) * \
         torch._utils._element_size(kvc.kv_cache_dtype)
     stock_cell = self._cell_size
+    if opts.mode == "dcp":  # stock counts per-rank tokens under DCP: index-K x dcp_size
+        self._cell_size -= (dcp_size() - 1) * self._compute_dsa_indexer_cell_size(
+            kvc=kvc, num_layers=layers)
     elided = elided_index_k_bytes(self, kvc, plan.skip_topk_layers, layers)
     self._cell_size -= elided
     index_fixed = 0
@@ -90,7 +97,7 @@ def pool_configurator_init_around(original_fn, self, kvc, *args, **kwargs):
         len(groups), ratio=opts.host_to_device_ratio, page_size=page, n_buckets=opts.n_buckets,
         policy=opts.policy, tp_size=P, buffer_slots=B, layers=layers,
         call_entries=opts.call_entries, prefetch=opts.prefetch.enabled,  # tables and scratch
-        deferred_moves="shared_groups" in opts.prefetch.sources)
+        deferred_moves="shared_groups" in opts.prefetch.sources, dcp=opts.mode == "dcp")
     outputs = coordinator_output_bytes(len(groups), request_slots(kvc, plan.max_running_requests),
                                        plan.top_k, plan.draft_tokens,
                                        draft_prefetch="draft" in opts.prefetch.sources)
@@ -172,7 +179,20 @@ def logical_token_capacity_around(original_fn, self, *args, **kwargs):
     n = original_fn(self, *args, **kwargs)
     if getattr(self, "is_draft_worker", False) or not getattr(self, "use_mla_backend", False):
         return n
-    return n * sglang_options().host_to_device_ratio
+    opts = sglang_options()
+    if opts.mode == "dcp":  # stock widens per-rank rows by dcp_size; ulacache's N is global
+        n //= dcp_size()
+    return n * opts.host_to_device_ratio
+
+
+def dcp_size() -> int:
+    """SGLang's ``attn_dcp_size`` of this worker (1 when nothing is published)."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        return int(get_parallel().attn_dcp_size)
+    except (ImportError, ValueError, AttributeError):
+        return 1
 
 
 SIZING_HOOKS: dict[str, tuple[Any, str]] = {

@@ -25,8 +25,8 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ExpectedHook", "HookVerificationError", "TP_HOOK_TARGETS", "hook_in_place",
-           "unimportable", "verify_hooks", "verify_tp_hooks"]
+__all__ = ["ExpectedHook", "HookVerificationError", "TP_HOOK_TARGETS", "DCP_HOOK_TARGETS",
+           "hook_in_place", "unimportable", "verify_hooks", "verify_tp_hooks"]
 
 TP_HOOK_TARGETS = (
     "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.__init__",
@@ -40,6 +40,15 @@ both modes, verified there with every other registered hook), the sharded top-k 
 striped index-K's write and decode seams (``stripe_index_k``: without them the fused store
 would write global slots into a rank's ``1/P`` store and decode would score its pages as if
 replicated)."""
+DCP_HOOK_TARGETS = (
+    "sglang.srt.arg_groups.model_overrides.deepseek_v2._dsa_dcp_overrides",
+    "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend.__init__",
+    "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend._forward_flashmla_kv",
+)
+"""Targets mode ``"dcp"`` adds (``sglang_dcp``): without them SGLang refuses the launch, or
+FlashMLA runs the gathered queries with the local heads' padding and drops the LSE the merge
+needs."""
+
 
 
 class HookVerificationError(RuntimeError):
@@ -180,16 +189,18 @@ def verify_hooks(expected: Iterable[ExpectedHook]) -> None:
     logger.debug("ulacache: all plugin hooks verified")
 
 
-def verify_tp_hooks(expected: Iterable[ExpectedHook]) -> None:
-    """TP mode: raise :class:`HookVerificationError` unless every target of
-    :data:`TP_HOOK_TARGETS` was registered (``expected``) and is in effect."""
+def verify_tp_hooks(expected: Iterable[ExpectedHook], mode: str = "tp") -> None:
+    """Modes TP and DCP: raise :class:`HookVerificationError` unless every target of
+    :data:`TP_HOOK_TARGETS` (DCP: and :data:`DCP_HOOK_TARGETS`) was registered
+    (``expected``) and is in effect."""
     expected = list(expected)
+    targets = TP_HOOK_TARGETS + (DCP_HOOK_TARGETS if mode == "dcp" else ())
     registered = {e.target for e in expected}
-    missing = [t for t in TP_HOOK_TARGETS if t not in registered]
+    missing = [t for t in targets if t not in registered]
     if missing:
         raise HookVerificationError(
             [(t, "never registered") for t in missing],
-            "ulacache: --ulacache-config mode 'tp' needs these hooks, which were never "
+            f"ulacache: --ulacache-config mode {mode!r} needs these hooks, which were never "
             "registered (is ulacache.patches.classes.EXTRA_HOOKS out of date?):\n"
             + "\n".join(f"  - {t}" for t in missing))
-    verify_hooks(e for e in expected if e.target in TP_HOOK_TARGETS)
+    verify_hooks(e for e in expected if e.target in targets)

@@ -57,7 +57,7 @@ class TPHarness:
     classification of every row it checks: own / this round's copy / other buffered copy."""
 
     def __init__(self, shared: bool, validate: bool, rank: int, max_reqs: int = 4,
-                 buffer_slots: int = 400, **options):
+                 buffer_slots: int = 400, mode: str = "tp", **options):
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
         from ulacache.config import SGLangOptions
@@ -67,8 +67,9 @@ class TPHarness:
             UlaCacheTokenToKVPoolAllocator,
         )
 
-        opts = SGLangOptions(mode="tp", cpu_ratio=3, n_buckets=4, validate=validate,
-                             buffer_slots=buffer_slots, shard_indexer=True, **options)
+        tp_only = dict(buffer_slots=buffer_slots, shard_indexer=True) if mode == "tp" else {}
+        opts = SGLangOptions(mode=mode, cpu_ratio=3, n_buckets=4, validate=validate,
+                             **tp_only, **options)
         ratio = opts.host_to_device_ratio
         self.rank = rank
         self.rtp = ReqToTokenPool(size=max_reqs, max_context_len=4096, device="cpu",

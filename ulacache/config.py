@@ -285,11 +285,15 @@ class SGLangOptions(_Checked, frozen=True, forbid_unknown_fields=True, kw_only=T
     ``stripe_index_k`` (TP only, exclusive with it): each rank stores the indexer keys of its
     own pages only (page ``l`` on rank ``l mod P``, SGLang's page interleave), scores them with
     SGLang's kernels and the group merges the top-k exactly (docs/index-stripe.md).
+    ``"dcp"``: the same stripe under SGLang's decode context parallelism (``--dcp-size P``):
+    each rank attends all heads over its own rows and SGLang merges the partial outputs by
+    log-sum-exp, so there is no buffer (:mod:`ulacache.stripe`; docs/tp-over-dcp.md);
+    ``stripe_index_k`` applies as in mode ``"tp"``.
     """
 
     _what = "--ulacache-config"
 
-    mode: Literal["dp", "tp"] = "dp"
+    mode: Literal["dp", "tp", "dcp"] = "dp"
     cpu_ratio: Annotated[int, Meta(ge=0, le=1024)] = 4
     n_buckets: Buckets = DEFAULT_BUCKETS
     policy: PolicyName = "pblru"
@@ -315,11 +319,17 @@ class SGLangOptions(_Checked, frozen=True, forbid_unknown_fields=True, kw_only=T
         if self.mode != "tp":
             for key, value in (("buffer_slots", self.buffer_slots is not None),
                                ("shard_indexer", self.shard_indexer),
-                               ("stripe_index_k", self.stripe_index_k)):
+                               ("stripe_index_k", self.stripe_index_k and self.mode == "dp")):
                 if value:
-                    raise ConfigError(f"--ulacache-config key {key!r} is only for mode 'tp' "
+                    raise ConfigError(f"--ulacache-config key {key!r} is only for mode 'tp'"
+                                      f"{' or dcp' if key == 'stripe_index_k' else ''} "
                                       f"(got mode {self.mode!r})")
-        elif self.stripe_index_k and self.shard_indexer:
+        if self.mode == "dcp" and self.prefill_stage:
+            raise ConfigError("--ulacache-config key 'prefill_stage' is only for mode 'dp' (mode "
+                              "'dcp' prefill batches must fit each rank's share of the pool)")
+        if self.mode != "tp":
+            return
+        if self.stripe_index_k and self.shard_indexer:
             raise ConfigError("--ulacache-config keys 'stripe_index_k' and 'shard_indexer' are "
                               "exclusive: striped index-K already merges the top-k exactly "
                               "across the group (shard_indexer merges over replicated keys)")
