@@ -28,7 +28,7 @@ def print_table(res: dict) -> None:
     a = res["assumptions"]
     print("ACCOUNTING (arithmetic on the stated inputs, not measurement). GB = 1e9 B; 8 GPUs; "
           f"weights FP8 ~1 B/param / 8 GPUs: {a['weights_gb_per_gpu']}")
-    hdr = (f"{'system':<25}{'ratio':>6}{'unique M':>10}{'GPU slots M':>12}{'CPU slots M':>12}"
+    hdr = (f"{'system':<30}{'ratio':>6}{'unique M':>10}{'GPU slots M':>12}{'CPU slots M':>12}"
            f"{'unique%':>8}{'tok/GB GPU':>11}{'tok/GB host':>12}"
            + "".join(f"{'req@' + str(S // 1024) + 'K':>9}" for S in a["lengths"])
            + f"{'unchg GB':>10}{'tables%':>8}")
@@ -46,7 +46,7 @@ def print_table(res: dict) -> None:
                   f"{a['host_gb_per_gpu'][r['platform']]:.0f} GB/GPU")
             print(hdr)
         ratio = "-" if r["ratio"] is None else str(r["ratio"])
-        print(f"{LABELS[r['system']]:<25}{ratio:>6}{r['unique_tokens'] / 1e6:>10.2f}"
+        print(f"{LABELS[r['system']]:<30}{ratio:>6}{r['unique_tokens'] / 1e6:>10.2f}"
               f"{r['gpu_latent_slots'] / 1e6:>12.2f}{r['cpu_latent_slots'] / 1e6:>12.2f}"
               f"{100 * r['unique_fraction']:>7.1f}%{r['tokens_per_gpu_gb']:>11.0f}"
               + (f"{r['tokens_per_host_gb']:>12.0f}" if r["tokens_per_host_gb"] else f"{'-':>12}")

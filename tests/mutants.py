@@ -15,6 +15,7 @@
     python tests/mutants.py prefetch   # the look-ahead prefetch (test_prefetch.py)
     .venv-sglang/bin/python tests/mutants.py sglang_stage  # the stage's SGLang seam
     .venv-sglang/bin/python tests/mutants.py sglang_stripe  # striped index-K's SGLang seams
+    .venv-sglang/bin/python tests/mutants.py sglang_dcp  # mode "dcp"'s SGLang seams
     python tests/mutants.py prefill -k "stage"  # only mutants whose description has "stage"
 
 Copies the repository to a temporary directory, applies each mutant below (one line of the core
@@ -507,6 +508,26 @@ SGLANG_STRIPE_MUTANTS = [  # index-K striped by page under SGLang (stripe_index_
      "        lengths = self.stripe_view.lengths\n", "the merge masks by local lengths"),
 ]
 
+SGLANG_DCP_TESTS = ["tests/test_sglang_dcp.py"]  # the SGLang venv's python
+PD = "patches/sglang_dcp.py"
+SGLANG_DCP_MUTANTS = [  # mode "dcp" under SGLang: pool, sizing, override, FlashMLA branch
+    ("patches/sglang_pool.py", "            self.dcp_replicated = True\n",
+     "            pass\n", "DCP: SGLang's MLA write localizes ulacache's rows a second time"),
+    ("patches/sglang_pool.py", "                attended &= addrs % self.ula_tp.size == "
+     "self.ula_tp.rank", "                pass",
+     "DCP: the prefill check expects peers' selections resident"),
+    (PD, "(lse[:, :heads, 0].float() * LOG2_E)", "(lse[:, :heads, 0].float())",
+     "DCP: FlashMLA's natural-log LSE handed to SGLang's base-2 merge"),
+    (PD, "    wrong = {k: v for k, v in chosen.items() if v not in (None, DCP_BACKEND)}",
+     "    wrong = {k: v for k, v in chosen.items() if v not in (None, DCP_BACKEND, 'trtllm')}",
+     "DCP: the trtllm backends (which bypass the coordinator) accepted"),
+    ("patches/sglang_sizing.py", "        self._cell_size -= (dcp_size() - 1) * "
+     "self._compute_dsa_indexer_cell_size(", "        self._cell_size -= dcp_size() * "
+     "self._compute_dsa_indexer_cell_size(", "DCP sizing: index-K taken back once too often"),
+    ("patches/sglang_sizing.py", "        n //= dcp_size()\n", "        pass\n",
+     "DCP: the logical capacity widened twice"),
+]
+
 CONFTEST = '''
 from hypothesis import Phase
 settings.register_profile("mutation", derandomize=True, deadline=None,
@@ -538,6 +559,7 @@ def main() -> int:
                   "prefill": [(*m, PREFILL_TESTS) for m in PREFILL_MUTANTS],
                   "sglang_stage": [(*m, SGLANG_STAGE_TESTS) for m in SGLANG_STAGE_MUTANTS],
                   "sglang_stripe": [(*m, SGLANG_STRIPE_TESTS) for m in SGLANG_STRIPE_MUTANTS],
+                  "sglang_dcp": [(*m, SGLANG_DCP_TESTS) for m in SGLANG_DCP_MUTANTS],
                   "shadows": [(*m, SHADOW_TESTS) for m in SHADOW_MUTANTS],
                   "fused_shadows": [(*m, FUSED_SHADOW_TESTS) for m in FUSED_SHADOW_MUTANTS],
                   "prefetch": [(*m, PREFETCH_TESTS) for m in PREFETCH_MUTANTS]}

@@ -308,7 +308,7 @@ def test_table_and_png(tmp_path, capsys):
 # SGLang's own sizing, evaluated in a child (publishing server args is process-global state).
 _SGLANG_SIZES = textwrap.dedent("""
     import json, types, torch
-    from sglang.srt.runtime_context import publish
+    from sglang.srt.runtime_context import get_parallel, publish
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.model_executor.pool_configurator import DefaultPoolConfigurator
     from sglang.srt.mem_cache.kv_cache_configurator import calculate_mla_kv_cache_dim
@@ -384,7 +384,7 @@ _HOOKED_SIZES = textwrap.dedent(f"""
     import itertools, json, sys, types, torch
     sys.path.insert(0, {str(ROOT)!r})
     from transformers import PretrainedConfig
-    from sglang.srt.runtime_context import publish
+    from sglang.srt.runtime_context import get_parallel, publish
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.model_executor.pool_configurator import DefaultPoolConfigurator
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
@@ -423,9 +423,14 @@ _HOOKED_SIZES = textwrap.dedent(f"""
                 spec_algorithm=SpeculativeAlgorithm.NONE,
                 layer_info=types.SimpleNamespace(start_layer=0, end_layer=layers,
                                                  num_effective_layers=layers))
-            for mode in ("dp", "tp", "tp_stripe"):
-                launch.sglang_options = lambda: SGLangOptions(
-                    mode=mode[:2], cpu_ratio=c, stripe_index_k=mode == "tp_stripe")
+            for mode in ("dp", "tp", "tp_stripe", "dcp_stripe"):
+                opts = SGLangOptions(mode=mode.split("_")[0], cpu_ratio=c,
+                                     stripe_index_k=mode != "dp" and mode != "tp")
+                launch.sglang_options = sz.sglang_options = lambda: opts
+                # a --dcp-size 8 launch's parallel widths: stock charges index-K x 8 per token
+                dcp = 8 if mode == "dcp_stripe" else 1
+                get_parallel().override_permanently(dcp_enabled=dcp > 1, dcp_size=dcp,
+                                                    attn_dcp_size=dcp)
                 conf = object.__new__(DefaultPoolConfigurator)
                 sz.pool_configurator_init_around(DefaultPoolConfigurator.__init__, conf, kvc)
                 lp = launch.plan_launch(kvc)  # what the sizing hook charged, the pool builds
@@ -445,8 +450,8 @@ def test_ulacache_columns_equal_the_hooked_sglang_sizing():
     output rows), pool size and group count are what SGLang's real ``DefaultPoolConfigurator``
     gives through ``patches/sglang_sizing.py``: GLM-5, DeepSeek-V3.2 and the GLM-5.2-style
     preset (21 indexer layers; the hook takes the shared layers' index-K back), FP8 and BF16
-    KV, ``cpu_ratio`` 2 and 4, DP, TP8 and TP8 with index-K striped by page,
-    ``--max-running-requests 64``
+    KV, ``cpu_ratio`` 2 and 4, DP, TP8 and TP8 with index-K striped by page, buffered and
+    under DCP (``--dcp-size 8`` published), ``--max-running-requests 64``
     (``Inputs.running``)."""
     pytest.importorskip("sglang")
     budget = inputs().kv_bytes
@@ -473,6 +478,12 @@ def test_ulacache_columns_equal_the_hooked_sglang_sizing():
             st = res[f"{model}/{layout}/tp_stripe/{c}"]  # index-K striped by page
             assert (st["cell"], st["fixed"]) == cap.ulacache_tp_charge(inp, c, B, True)
             assert st["tokens"] == cap.ulacache_tp_pool(inp, c, B, True)
+            # mode "dcp" (--dcp-size 8): no buffer, the stripe's DP tables, stock's index-K
+            # x dcp_size taken back
+            dc = res[f"{model}/{layout}/dcp_stripe/{c}"]
+            assert dc["sized"] == {"buffer_slots": 0, "tp_size": 8}
+            assert (dc["cell"], dc["fixed"]) == cap.ulacache_tp_charge(inp, c, 0, True, dcp=True)
+            assert dc["tokens"] == cap.ulacache_tp_pool(inp, c, 0, True, dcp=True)
 
 
 def test_gpu_bytes_split_by_component():

@@ -41,8 +41,10 @@ RUNNING = 32  # requests per attention worker (the plans that are not capacity c
 MIB = 2**20
 ENV = dict(os.environ, HF_HUB_OFFLINE="1")
 MODELS = {"glm-5": "glm5", "deepseek-v3.2": "dsv32"}
-# what ships: staged DP, TP with replicated index-K, TP with index-K striped by page
-SYSTEMS = {"dp": "ulacache_dp", "tp": "ulacache_tp_repl", "tp_stripe": "ulacache_tp_shard"}
+# what ships: staged DP, TP with replicated index-K, TP with index-K striped by page, buffered
+# and under SGLang's DCP (mode "dcp")
+SYSTEMS = {"dp": "ulacache_dp", "tp": "ulacache_tp_repl", "tp_stripe": "ulacache_tp_shard",
+           "dcp_stripe": "ulacache_dcp_shard"}
 
 
 def capacity_columns() -> dict[tuple[str, str, str, str], dict]:
@@ -54,7 +56,7 @@ def capacity_columns() -> dict[tuple[str, str, str, str], dict]:
     by = {(r["model"], r["platform"], r["system"], r["layout"]): r for r in res["rows"]}
     return {(m, g, mode, lay): by[(key, g, system, lay)] for m, key in MODELS.items()
             for g in ("h200", "b300") for mode, system in SYSTEMS.items()
-            for lay in ("fp8", "bf16")}
+            for lay in ("fp8", "bf16") if (key, g, system, lay) in by}  # DCP: fp8 only
 
 
 CAPACITY = capacity_columns()
@@ -65,7 +67,7 @@ CAPPED = CAPACITY[("glm-5", "b300", "dp", "fp8")]["pool_tokens"]
 def plan(model, gpu, mode, config=None, **kw) -> dict:
     return {"model": model, "gpu": gpu, "mode": mode, "ulacache_config": config,
             "max_running_requests": RUNNING * (8 if mode == "dp" else 1),
-            "prefill_layers": 2 if mode == "tp" else 0, **kw}
+            "prefill_layers": 2 if mode in ("tp", "dcp") else 0, **kw}
 
 
 def capacity_plan(model, gpu, mode, layout="fp8") -> dict:
@@ -73,8 +75,8 @@ def capacity_plan(model, gpu, mode, layout="fp8") -> dict:
     caps the pool, SGLang's --max-total-tokens at the column's pool."""
     col = CAPACITY[(model, gpu, mode, layout)]
     config = {"cpu_ratio": col["ratio"]}
-    if mode == "tp_stripe":
-        mode, config["stripe_index_k"] = "tp", True
+    if mode in ("tp_stripe", "dcp_stripe"):
+        mode, config["stripe_index_k"] = mode.split("_")[0], True
     return plan(model, gpu, mode, config,
                 max_running_requests=col["running"] * (8 if mode == "dp" else 1),
                 max_total_tokens=col["pool_tokens"] if col["host_bound"] else None,
@@ -83,9 +85,11 @@ def capacity_plan(model, gpu, mode, layout="fp8") -> dict:
 
 # every FP8 column, and BF16 for GLM-5 on H200 (the other BF16 columns: test_capacity's
 # hooked-configurator check; each rehearsal costs about 25 s of CI)
+# DCP: the headline column (GLM-5 FP8 on 8xH200); the others by hand (docs/tp-over-dcp.md)
 REHEARSED = [(m, g, mode, lay) for (m, g, mode, lay) in CAPACITY
              if (lay == "fp8" or (m, g) == ("glm-5", "h200")) and
-             (mode != "tp_stripe" or (m, lay) == ("glm-5", "fp8"))]
+             (mode != "tp_stripe" or (m, lay) == ("glm-5", "fp8")) and
+             (mode != "dcp_stripe" or (m, g, lay) == ("glm-5", "h200", "fp8"))]
 
 
 def name_of(model, gpu, layout) -> str:
@@ -106,7 +110,9 @@ BATCHES = {
     "tp": {**{name_of(m, g, lay): capacity_plan(m, g, "tp", lay)
               for (m, g, mode, lay) in REHEARSED if mode == "tp"},
            **{"stripe:" + name_of(m, g, lay): capacity_plan(m, g, "tp_stripe", lay)
-              for (m, g, mode, lay) in REHEARSED if mode == "tp_stripe"}},
+              for (m, g, mode, lay) in REHEARSED if mode == "tp_stripe"},
+           **{"dcp:" + name_of(m, g, lay): capacity_plan(m, g, "dcp_stripe", lay)
+              for (m, g, mode, lay) in REHEARSED if mode == "dcp_stripe"}},
 }
 
 _CHILD = textwrap.dedent("""
@@ -161,6 +167,8 @@ def check_agrees(report: dict, name: str, mode: str) -> None:
     charge ``bench/capacity.py`` computes for it, from SGLang's real configurator."""
     if name.startswith("stripe:"):
         name, mode = name[len("stripe:"):], "tp_stripe"
+    if name.startswith("dcp:"):
+        name, mode = name[len("dcp:"):], "dcp_stripe"
     model, gpu, *layout = name.split("/")
     col = CAPACITY[(model, gpu, mode, layout[0] if layout else "fp8")]
     assert report["pool_tokens"] == col["pool_tokens"], (name, col["ratio"])
@@ -192,8 +200,13 @@ def test_every_tp_combination_fits(tp_reports, name):
              + 64 + 1) // 64  # SGLang's IndexKeyCache count over the logical space
     layers = 78 if name.split("/")[0].endswith("glm-5") else 61
     # striped: ceil(pages / 8) + trash and zero pages per layer; replicated: every page
-    stored = -(-pages // 8) + 2 if name.startswith("stripe:") else pages
+    stored = -(-pages // 8) + 2 if name.startswith(("stripe:", "dcp:")) else pages
     assert index_k == stored * 64 * 132 * layers, (name, index_k, stored)
+    buffered = [k for k in report["allocations"] if ".buffers" in k or "_gates" in k]
+    if name.startswith("dcp:"):  # mode "dcp": the DP core over the stripe, no buffer, no gates
+        assert buffered == [] and report["plan"]["mode"] == "dcp", buffered
+    else:
+        assert buffered, name
 
 
 @pytest.mark.xdist_group("rehearse_dp")

@@ -132,12 +132,23 @@ SHARING = {"glm52": (4, 3)}
 :func:`indexer_layers` runs the indexer; every other layer reuses the previous layer's top-k
 (SGLang's ``dsa_layer_skips_topk``). GLM-5.2-style, freq 4 and offset 3: 21 of 78 layers."""
 SYSTEMS = ("sglang_dp", "sglang_tp", "hisparse_dp", "hisparse_tp", "ulacache_dp",
-           "ulacache_dp_whole", "ulacache_tp_repl", "ulacache_tp_shard")
+           "ulacache_dp_whole", "ulacache_tp_repl", "ulacache_tp_shard", "ulacache_dcp_shard")
 LABELS = {"sglang_dp": "SGLang DP8", "sglang_tp": "SGLang TP8", "hisparse_dp": "HiSparse DP8",
           "hisparse_tp": "HiSparse TP8", "ulacache_dp": "ulacache DP8",
           "ulacache_dp_whole": "ulacache DP8 (stage 0)",
           "ulacache_tp_repl": "ulacache TP8 (idx repl)",
-          "ulacache_tp_shard": "ulacache TP8 (idx stripe)"}
+          "ulacache_tp_shard": "ulacache TP8 (idx stripe)",
+          "ulacache_dcp_shard": "ulacache TP8 DCP (idx stripe)"}
+FP8_ONLY = ("ulacache_dcp_shard",)
+"""Systems served with fp8 KV only: mode "dcp" attends through FlashMLA's fp8 sparse decode
+(``patches/sglang_dcp.py``; ``patches/server_args.py`` refuses ``--kv-cache-dtype bfloat16``)."""
+TP_SYSTEMS = ("ulacache_tp_repl", "ulacache_tp_shard", "ulacache_dcp_shard")
+"""The striped systems: ``(shard index-K, DCP)`` of each below (:func:`_tp_kind`)."""
+
+
+def _tp_kind(system: str) -> tuple[bool, bool]:
+    """``(index-K striped by page, attention by DCP: no buffer)`` of a striped system."""
+    return system != "ulacache_tp_repl", system == "ulacache_dcp_shard"
 
 
 def indexer_layers(n_layers: int, sharing: tuple[int, int] | None = None) -> list[int]:
@@ -255,12 +266,12 @@ def hisparse_pool(inp: Inputs, x: int) -> int:
 
 @cache
 def _tables(groups: int, ratio: int, tp_size: int = 1, buffer_slots: int = 0,
-            layers: int = 0) -> tuple[int, int]:
+            layers: int = 0, dcp: bool = False) -> tuple[int, int]:
     """ulacache's table bytes ``(per GPU slot, fixed)`` per rank: the SGLang sizing hook's own
     call (:func:`ulacache.sizing.table_bytes_per_slot`, the defaults of ``--ulacache-config``)."""
     return table_bytes_per_slot(groups, ratio=ratio, page_size=PAGE, n_buckets=ULA.n_buckets,
                                 policy=ULA.policy, tp_size=tp_size, buffer_slots=buffer_slots,
-                                layers=layers)
+                                layers=layers, dcp=dcp)
 
 
 def coordinator_outputs(inp: Inputs, running: int | None = None) -> int:
@@ -286,15 +297,16 @@ def ulacache_dp_charge(inp: Inputs, c: int, running: int | None = None,
 
 
 def ulacache_tp_charge(inp: Inputs, c: int, buffer_rows: int, shard_index: bool = False,
-                       running: int | None = None) -> tuple[int, int]:
+                       running: int | None = None, dcp: bool = False) -> tuple[int, int]:
     """``(cell, fixed)`` per rank under the sizing hook in TP mode, per global GPU token:
     ``ceil(lat / P)`` + index-K (``idx (1 + c)``; ``ceil(/ P)`` when striped by page,
     ``stripe_index_k``) + the rank's tables; fixed: the tables' fixed bytes + ``(B + 2 x page)``
     rows per layer (sink page, scratch, ``B`` buffer rows, padding to a page) + the
     coordinator's output rows for ``running`` requests (:func:`coordinator_outputs`) + striped:
-    three index-K pages per indexer layer (``patches/sglang_sizing.striped_index_k_charge``)."""
+    three index-K pages per indexer layer (``patches/sglang_sizing.striped_index_k_charge``).
+    ``dcp`` (mode "dcp"): no buffer (``buffer_rows`` must be 0), the stripe's DP tables."""
     P = inp.gpus
-    per, fixed = _tables(inp.groups, 1 + c, P, buffer_rows, inp.layers)
+    per, fixed = _tables(inp.groups, 1 + c, P, buffer_rows, inp.layers, dcp)
     index = inp.idx_anchors * (1 + c)
     cell = math.ceil(inp.lat / P) + (math.ceil(index / P) if shard_index else index) + per
     return cell, (fixed + (buffer_rows + 2 * PAGE) * inp.lat
@@ -348,11 +360,11 @@ def ulacache_dp_launch(inp: Inputs, c: int, staged: bool = True) -> tuple[int, i
 
 
 def ulacache_tp_pool(inp: Inputs, c: int, buffer_rows: int, shard_index: bool,
-                     running: int | None = None) -> int:
+                     running: int | None = None, dcp: bool = False) -> int:
     """ulacache TP: N, the group's global GPU tokens (each rank owns N / P): SGLang's
     ``(D - fixed) // cell`` under the sizing hook (:func:`ulacache_tp_charge`, ``running``
     requests), capped so each rank's ``c N / P`` CPU rows fit its host."""
-    cell, fixed = ulacache_tp_charge(inp, c, buffer_rows, shard_index, running)
+    cell, fixed = ulacache_tp_charge(inp, c, buffer_rows, shard_index, running, dcp)
     avail = inp.kv_bytes - fixed
     if avail <= 0:
         return 0
@@ -362,9 +374,12 @@ def ulacache_tp_pool(inp: Inputs, c: int, buffer_rows: int, shard_index: bool,
     return _pages(n)
 
 
-def tp_buffer_rows(inp: Inputs, requests: int, history: int = 0) -> int:
+def tp_buffer_rows(inp: Inputs, requests: int, history: int = 0, dcp: bool = False) -> int:
     """TP local-buffer rows per layer per rank: one step's selections and new tokens may all be
-    peers' (``R x draft x (top_k + 1)``), raised to a prefill's peer share when larger."""
+    peers' (``R x draft x (top_k + 1)``), raised to a prefill's peer share when larger; 0
+    under DCP (no rank reads a peer's row)."""
+    if dcp:
+        return 0
     step = requests * inp.draft_tokens * (inp.top_k + 1)
     return max(step, history - math.ceil(history / inp.gpus))
 
@@ -480,18 +495,20 @@ def capacity(inp: Inputs, system: str) -> Point:
                      P * c * g * inp.lat, g,
                      _split(P, g, inp.lat, inp.idx_anchors * (1 + c), per, fixed), cell, per,
                      running, host_bound)
-    if system in ("ulacache_tp_repl", "ulacache_tp_shard"):
-        shard = system == "ulacache_tp_shard"
-        b = tp_buffer_rows(inp, inp.running)
+    if system in TP_SYSTEMS:
+        shard, dcp = _tp_kind(system)
+        b = tp_buffer_rows(inp, inp.running, dcp=dcp)
         step = inp.running * inp.draft_tokens * (inp.top_k + 1)
+
+        def pool_tp(r: int) -> int:
+            return ulacache_tp_pool(inp, r, b, shard, dcp=dcp)
         # each rank's own pool (N / P rows) holds its 1/P share of one decode step
-        # (TPAddressSpace.check_step_capacity refuses to start otherwise)
-        c = _pick(0, lambda r: (1 + r) * ulacache_tp_pool(inp, r, b, shard),
-                  lambda r: ulacache_tp_pool(inp, r, b, shard), inp.min_gpu_tokens,
-                  ok=lambda r: ulacache_tp_pool(inp, r, b, shard) // P * P >= step)
-        n = ulacache_tp_pool(inp, c, b, shard)
-        cell, fixed = ulacache_tp_charge(inp, c, b, shard)
-        per = _tables(inp.groups, 1 + c, P, b, inp.layers)[0]
+        # (check_step_capacity of both striped spaces refuses to start otherwise)
+        c = _pick(0, lambda r: (1 + r) * pool_tp(r), pool_tp, inp.min_gpu_tokens,
+                  ok=lambda r: pool_tp(r) // P * P >= step)
+        n = pool_tp(c)
+        cell, fixed = ulacache_tp_charge(inp, c, b, shard, dcp=dcp)
+        per = _tables(inp.groups, 1 + c, P, b, inp.layers, dcp)[0]
         lat = math.ceil(inp.lat / P)
         host_bound = n < _pages(max(inp.kv_bytes - fixed, 0) // cell)
         return Point(c, (1 + c) * n, n + P * b, c * n, P * (n * cell + fixed), c * n * inp.lat,
@@ -536,16 +553,16 @@ def max_requests(inp: Inputs, system: str, history: int) -> tuple[int, int | Non
         r, c = _most_requests(_ratios(0, pool0, least),
                               lambda c: min((1 + c) * pool0(c) // S, pool0(c) // step), fits_dp)
         return P * r, c
-    if system in ("ulacache_tp_repl", "ulacache_tp_shard"):
-        shard = system == "ulacache_tp_shard"
+    if system in TP_SYSTEMS:
+        shard, dcp = _tp_kind(system)
 
         def fits(r: int, c: int) -> bool:
-            n = ulacache_tp_pool(inp, c, tp_buffer_rows(inp, r, S), shard, r)
+            n = ulacache_tp_pool(inp, c, tp_buffer_rows(inp, r, S, dcp), shard, r, dcp)
             own = n // P
             return r * S <= (1 + c) * n and math.ceil(S / P) <= own and own * P >= r * step
 
         def pool_tp0(c: int) -> int:  # the least charge (no running request): an upper bound
-            return ulacache_tp_pool(inp, c, tp_buffer_rows(inp, 0, S), shard, 0)
+            return ulacache_tp_pool(inp, c, tp_buffer_rows(inp, 0, S, dcp), shard, 0, dcp)
 
         return _most_requests(_ratios(0, pool_tp0, S), lambda c: (1 + c) * pool_tp0(c) // S,
                               fits)
@@ -665,6 +682,8 @@ def run(*, platforms: str = "h200,b300", models: str = "glm5,dsv32",
                 logger.debug("%s %s %s: KV budget %.2f GB/GPU, host %.0f GB/GPU", plat, model,
                             layout, kv_gb, host[plat])
                 for system in systems:
+                    if system in FP8_ONLY and layout != "fp8":
+                        continue  # not served: no row (what ships only)
                     cap = capacity(inp, system)
                     conc = {S: max_requests(inp, system, S) for S in lengths}
                     slots = cap.gpu_slots + cap.cpu_slots

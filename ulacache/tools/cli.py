@@ -361,7 +361,9 @@ def build_parser() -> argparse.ArgumentParser:
     rh.add_argument("--gpu", required=True, choices=["h200", "b300"])
     rh.add_argument("--gpus", type=_int_at_least(2), default=8,
                     help="GPUs of the node: DP workers, or the TP group (2, 4 or 8)")
-    rh.add_argument("--mode", default="dp", choices=["dp", "tp"])
+    rh.add_argument("--mode", default="dp", choices=["dp", "tp", "dcp"],
+                    help="dp: attention DP; tp: striped with a buffer; dcp: striped under "
+                         "SGLang's --dcp-size (no buffer)")
     rh.add_argument("--ulacache-config", default=None, help="JSON, as --ulacache-config")
     rh.add_argument("--speculative-num-draft-tokens", type=_int_at_least(0), default=0)
     rh.add_argument("--chunked-prefill-size", type=_int_at_least(64), default=None,

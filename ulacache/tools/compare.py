@@ -26,10 +26,11 @@ from dataclasses import dataclass
 from .hisparse import HiSparseReplayResult
 from .replay import ReplayResult
 
-CAPACITY_SYSTEMS = ("sglang_dp", "hisparse_dp", "hisparse_tp", "ulacache_dp", "ulacache_tp_repl")
+CAPACITY_SYSTEMS = ("sglang_dp", "hisparse_dp", "hisparse_tp", "ulacache_dp", "ulacache_tp_repl",
+                    "ulacache_dcp_shard")
 CAPACITY_LABELS = {"sglang_dp": "SGLang DP8 (resident)", "hisparse_dp": "HiSparse DP8",
                    "hisparse_tp": "HiSparse TP8", "ulacache_dp": "ulacache DP8",
-                   "ulacache_tp_repl": "ulacache TP8"}
+                   "ulacache_tp_repl": "ulacache TP8", "ulacache_dcp_shard": "ulacache TP8 DCP"}
 CAPACITY_LENGTHS = (32768, 131072)
 CAPACITY_PLATFORMS = "h200,b300"
 
@@ -158,6 +159,22 @@ def _capacity_verdicts(cap: dict, plat: str) -> str:
     return f"{cap['budgets'][plat]['label']}: " + "; ".join(parts)
 
 
+def _dcp_verdict(cap: dict, plat: str) -> str | None:
+    """ulacache TP8 under DCP against HiSparse DP8 (the TP criterion of issue 21); ``None``
+    when the capacity rows have no DCP row."""
+    by = {r["system"]: r for r in cap["rows"] if r["platform"] == plat}
+    if "ulacache_dcp_shard" not in by:
+        return None
+    d, h = by["ulacache_dcp_shard"], by["hisparse_dp"]
+    parts = [f"unique {d['unique_tokens'] / 1e6:.2f}M vs {h['unique_tokens'] / 1e6:.2f}M "
+             f"(x{d['unique_tokens'] / h['unique_tokens']:.2f})"]
+    for n in cap["lengths"]:
+        a, b = d["max_requests"][str(n)], h["max_requests"][str(n)]
+        parts.append(f"{n // 1024}K requests {a:,} vs {b:,}" + (f" (x{a / b:.2f})" if b else ""))
+    return f"{cap['budgets'][plat]['label']}: ulacache TP8 DCP vs HiSparse DP8: " + \
+        "; ".join(parts)
+
+
 def format_report(trace, ula: ReplayResult, hs: HiSparseReplayResult, launches: dict,
                   capacity: dict | None, lru: ReplayResult | None = None,
                   seconds: float | None = None, write_back: ReplayResult | None = None,
@@ -215,8 +232,10 @@ def format_report(trace, ula: ReplayResult, hs: HiSparseReplayResult, launches: 
                              + "".join(f"{r['max_requests'][str(n)]:>9,}" for n in lengths))
             lines.append(f"{CAPACITY_LABELS[system]:<23}" + "".join(cells))
         lines += [_capacity_verdicts(capacity, p) for p in plats]
-        lines.append("  TP8 rows are what ships under SGLang (index-K replicated on every rank); "
-                     "DP8 admits per rank, x8")
+        lines += [v for v in (_dcp_verdict(capacity, p) for p in plats) if v]
+        lines.append("  ulacache TP8: index-K replicated on every rank; TP8 DCP: each rank attends "
+                     "its own stripe under SGLang's --dcp-size 8, index-K striped by page (mode "
+                     "'dcp', never run on a GPU); DP8 admits per rank, x8")
     if lru is not None:
         pb = ula if ula.policy == "pblru" else lru
         ex = lru if ula.policy == "pblru" else ula

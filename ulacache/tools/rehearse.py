@@ -67,7 +67,9 @@ class Plan:
     model: str  # glm-5 | deepseek-v3.2
     gpu: str  # h200 | b300
     gpus: int = 8
-    mode: str = "dp"  # dp (attention DP, one address space per GPU) | tp (striped over gpus)
+    # dp (attention DP, one address space per GPU) | tp (striped over gpus, buffered) | dcp
+    # (striped under SGLang's --dcp-size: no buffer)
+    mode: str = "dp"
     ulacache_config: dict = field(default_factory=dict)
     draft_tokens: int = 0
     chunked_prefill_size: int | None = None
@@ -127,6 +129,8 @@ class Plan:
             a += ["--max-total-tokens", str(self.max_total_tokens)]
         if self.mode == "dp":
             a += ["--dp-size", str(self.gpus), "--enable-dp-attention"]
+        if self.mode == "dcp":
+            a += ["--dcp-size", str(self.gpus)]
         if self.draft_tokens:
             a += ["--speculative-algorithm", "EAGLE", "--speculative-num-steps",
                   str(self.draft_tokens - 1 or 1), "--speculative-eagle-topk", "1",
@@ -493,7 +497,7 @@ def sizing_group(plan: Plan):
     SGLang's own ``get_parallel().override`` (no process group is built here); DP: none."""
     from sglang.srt.runtime_context import get_parallel
 
-    if plan.mode != "tp":
+    if plan.mode not in ("tp", "dcp"):
         return contextlib.nullcontext()
     return get_parallel().override(tp_group=types.SimpleNamespace(world_size=plan.gpus,
                                                                   rank_in_group=0))
@@ -503,7 +507,7 @@ def build_and_drive(plan: Plan, n_tokens: int, kvc, launch) -> list[dict]:
     """The report of one rank: a DP worker (every worker is the same), or TP rank 0 with
     mirrored peers (:class:`MirrorPeers`; ranks differ by at most one owned token per request
     and page of a prefill)."""
-    peers = MirrorPeers(plan.gpus) if plan.mode == "tp" else None
+    peers = MirrorPeers(plan.gpus) if plan.mode in ("tp", "dcp") else None
     return [rank_body(plan, n_tokens, kvc.model_config, launch, peers)]
 
 
@@ -516,7 +520,7 @@ def rehearse(plan: Plan) -> dict:
 
     from ulacache.patches.launch import plan_launch
 
-    if plan.mode == "tp":  # TP mode's launch requirement (patches/server_args.py refuses without)
+    if plan.mode in ("tp", "dcp"):  # their launch requirement (patches/server_args.py)
         os.environ["SGLANG_DSA_TOPK_BROADCAST"] = "1"
     install_plugin()
     # SGLang's model-specific argument pass wants a GPU for a DSA checkpoint; the arguments the
