@@ -71,6 +71,8 @@ def record_launches(n_layers: int = 2, gpu_slots: int = 4096, row_bytes: int = 6
             fused.replay(moves, addrs.numel(), 1)
         fused.run(addrs, place=False, out=torch.empty(addrs.shape, dtype=torch.int32),
                   stripe=(8, 3, gpu_slots * 32))  # a TP8 rank's own access
+        fused.run(addrs, place=False, out=torch.empty(addrs.shape, dtype=torch.int32),
+                  stripe=(8, 3, gpu_slots * 32), verdicts=False)  # a DCP rank's (stripe.py)
         from ulacache.buffer import LocalBuffer
 
         from .fused_tp import FusedGates

@@ -33,12 +33,11 @@ def test_every_fused_kernel_compiles_for_sm90_and_sm100_without_spills():
                      "_advance_kernel",
                      "_r2_drop", "_r3_push", "_reclaim", "_replay_moves"}
     # K1..K4 for access and for place (its K1 reclaims shadows), K3 / K4 of an access without
-    # shadows, the standalone reclaim,
-    # translate, K1 striped (TP), the claim kernel (R1), G1 (the claim hash), G2..G4, the round
-    # start, R2,
-    # R3; K3 (with and without shadows, and place), G3 and the round start again (other
-    # widths) for the second geometry; the prefetch's K1..K4 (and its K3 for the second
-    # geometry); a shared group's deferred K3 and its replay (first geometry: two layers)
-    assert len(lines) == 2 * 33, res.stdout
+    # shadows, the standalone reclaim, translate, K1 striped (TP; and DCP, without the owner's
+    # verdict), the claim kernel (R1), G1 (the claim hash), G2..G4, the round start, R2, R3;
+    # K3 (with and without shadows, and place), G3 and the round start again (other widths)
+    # for the second geometry; the prefetch's K1..K4 (and its K3 for the second geometry); a
+    # shared group's deferred K3 and its replay (first geometry: two layers)
+    assert len(lines) == 2 * 34, res.stdout
     if "no cuobjdump" not in res.stdout:
         assert all("STACK 0" in line for line in lines), res.stdout

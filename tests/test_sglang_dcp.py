@@ -11,7 +11,8 @@ and runs the same calls (SPMD). Per rank:
   from its owner (GPU or CPU tier);
 - the pool's rows are the DP layout over ``N / P`` own slots (no buffer, nothing shared), and
   it tells SGLang's MLA write that its rows are resolved (``dcp_replicated``);
-- ``alloc_extend`` agrees across ranks.
+- ``alloc_extend`` agrees across ranks; the look-ahead prefetch serves each rank's stripe
+  (verify batches included) without changing a row.
 
 Single-process: the FlashMLA DCP branch (``patches/sglang_dcp.py``) against a torch
 reference of FlashMLA's sparse decode, merged across two ranks' rows by SGLang's own
@@ -147,7 +148,36 @@ def scenario_pressure(rank: int) -> dict:
     return out
 
 
-SCENARIOS = {"decode": scenario_decode, "shared": scenario_shared, "pressure": scenario_pressure}
+def scenario_prefetch(rank: int) -> dict:
+    """The look-ahead prefetch (both sources, a small cap) over each rank's stripe: every row
+    still holds its bytes (checked after decode steps; a verify leaves its dead draft
+    mapped)."""
+    from ulacache.config import PrefetchConfig
+
+    h = _harness(rank, shared=False, validate=True,
+                 prefetch=PrefetchConfig(sources=("previous_layer", "draft"), fetch_cap=16))
+    for idx, n in ((1, 300), (2, 420), (3, 250)):
+        h.prefill(idx, n, chunk=160)
+    h.coord.collect_ready_reqs()
+    for i in range(8):
+        if i % 4 == 3:
+            h.verify_step([1, 2, 3])
+        else:
+            h.decode_step([1, 2, 3])
+            h.check()
+    counters = h.core.counters()
+    for idx in (1, 2, 3):
+        h.finish(idx)
+    h.check()
+    out = {"capacity_back": h.alloc.available_size() == h.alloc.size_full,
+           "counters": {k: sum(c[k] for c in counters) for k in
+                        ("prefetches", "promotions", "access_overflow")}}
+    h.close()
+    return out
+
+
+SCENARIOS = {"decode": scenario_decode, "shared": scenario_shared, "pressure": scenario_pressure,
+             "prefetch": scenario_prefetch}
 
 
 def _rank_main(rank: int, port: int, out_dir: str) -> None:
@@ -191,6 +221,13 @@ def test_shared_layers_and_a_pool_that_ignores_the_stripe(ranks):
     for res in ranks:
         assert res["shared"]["seen"] > 0
         assert res["shared"]["mutant_caught"] > 0
+
+
+def test_prefetch_over_each_stripe_keeps_every_rows_bytes(ranks):
+    for rank, res in enumerate(ranks):
+        c = res["prefetch"]["counters"]
+        assert c["prefetches"] > 0 and c["promotions"] > 0, (rank, c)
+        assert c["access_overflow"] == 0 and res["prefetch"]["capacity_back"], (rank, c)
 
 
 def test_alloc_extend_agrees_and_the_pool_has_no_buffer(ranks):
