@@ -139,9 +139,11 @@ def test_tp_fused_decode_equals_resident():
 
 
 # -- DCP TP mode (ulacache.stripe): the DP kernels over the global addresses, no gates --------
-def drive_dcp(path: str, P: int, seed: int) -> list[list[tuple[str, object]]]:
+def drive_dcp(path: str, P: int, seed: int, device: str = "cpu"
+              ) -> list[list[tuple[str, object]]]:
     """:func:`drive` for the stripe space: place / write / access / release with duplicates,
-    padding, out-of-range and released addresses in the accesses (validate off)."""
+    padding, out-of-range and released addresses in the accesses (validate off); results and
+    state on the host whatever ``device`` ran them."""
     from ulacache.stripe import StripeAddressSpace
 
     cfg = UlaCacheConfig(layout="tiny", row_bytes=24, n_layers=2, layers_per_group=1,
@@ -161,21 +163,24 @@ def drive_dcp(path: str, P: int, seed: int) -> list[list[tuple[str, object]]]:
             return torch.randint(0, hi, (n,), generator=gen)
 
         def snap():
-            out = {f"g{gi}.{k}": v.clone() for gi, g in enumerate(space.groups)
+            out = {f"g{gi}.{k}": v.cpu().clone() for gi, g in enumerate(space.groups)
                    for k, v in state(g).items()}
-            out["storage"] = torch.stack([space.attn_rows(layer).clone() for layer in range(2)])
+            out["storage"] = torch.stack([space.attn_rows(layer).cpu() for layer in range(2)])
             return out
+
+        dev = space.device
 
         for step in range(10):
             space.begin_round()
             new = rand(N, 6 * P)
             new[0] = new[1]
-            slots = space.place(new)
+            slots = space.place(new.to(dev)).cpu()
             fresh = sorted(set(new.tolist()) - set(live) - set(gone))
             for layer in range(cfg.n_layers):
                 rows = (torch.arange(len(fresh) * 24, dtype=torch.int64).view(-1, 24) * 7
                         + layer + step).to(torch.uint8)
-                space.write(layer, torch.tensor(fresh, dtype=torch.int64), rows)
+                space.write(layer, torch.tensor(fresh, dtype=torch.int64, device=dev),
+                            rows.to(dev))
             live += fresh
             log.append(("place", slots.clone(), snap()))
             for _ in range(2):
@@ -185,18 +190,18 @@ def drive_dcp(path: str, P: int, seed: int) -> list[list[tuple[str, object]]]:
                 if gone:
                     pick[2, 0] = gone[0]  # released: -1, counted invalid by its owner
                 dtype = (torch.int32, torch.int64)[step % 2]
-                rows = torch.stack([space.access(0, pick.to(dtype)),
-                                    space.access(1, pick.to(dtype))])
+                rows = torch.stack([space.access(0, pick.to(dev, dtype)),
+                                    space.access(1, pick.to(dev, dtype))]).cpu()
                 log.append(("access", rows.clone(), snap()))
             if step % 3 == 2:
-                space.release(torch.tensor(live[:5]))
+                space.release(torch.tensor(live[:5], device=dev))
                 gone += live[:5]
                 live = live[5:]
                 log.append(("release", None, snap()))
         space.check_integrity()
         return log
 
-    return run_ranks(P, body)
+    return run_ranks(P, body, device=device)
 
 
 @pytest.mark.parametrize("P,seed", [(2, 0), (4, 1)])
@@ -217,6 +222,21 @@ def test_dcp_fused_matches_torch_every_operation(P, seed):
 
         named = dict(zip(COUNTERS, counters.tolist()))
         assert named["promotions"] and named["spills"] and named["invalid"], (rank, named)
+
+
+@pytest.mark.gpu
+def test_dcp_fused_on_a_gpu_matches_torch_on_cpu():
+    """bench/device_check.sh: the DCP access's fused kernels compiled for the GPU (threads as
+    ranks on one device) leave every table, row and result equal to the torch path's on CPU
+    after every operation."""
+    ref, gpu = drive_dcp("torch", 2, 3), drive_dcp("fused", 2, 3, device="cuda")
+    for rank in range(2):
+        for i, ((op, r_out, r_state), (_, g_out, g_state)) in enumerate(zip(ref[rank],
+                                                                          gpu[rank])):
+            if r_out is not None:
+                assert torch.equal(r_out, g_out), (rank, i, op)
+            for k in r_state:
+                assert torch.equal(r_state[k], g_state[k]), (rank, i, op, k)
 
 
 def test_dcp_fused_decode_matches_resident():
