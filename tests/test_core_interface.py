@@ -22,10 +22,41 @@ TP = UlaCacheConfig(layout="tiny", row_bytes=16, n_layers=2, gpu_slots=32, cpu_s
                     page_size=4, n_buckets=4, tp_size=2, buffer_slots=40, validate=False)
 
 
-def test_both_address_spaces_are_the_core_interface():
+def test_every_address_space_is_the_core_interface():
+    from ulacache.stripe import StripeAddressSpace
+
     assert isinstance(AddressSpace(DP, n_logical=256), Core)
     got = run_ranks(2, lambda peers: isinstance(TPAddressSpace(TP, peers, n_logical=256), Core))
     assert got == [True, True]
+    dcp = UlaCacheConfig(layout="tiny", row_bytes=16, n_layers=2, gpu_slots=32, cpu_slots=96,
+                         page_size=4, n_buckets=4, tp_size=2, tp_attention="dcp",
+                         validate=False)
+    got = run_ranks(2, lambda peers: isinstance(StripeAddressSpace(dcp, peers, n_logical=256),
+                                                Core))
+    assert got == [True, True]
+
+
+def test_dcp_prefill_fits_each_ranks_own_share_and_agrees_on_rounds():
+    """DCP: a batch fits when every rank's own share fits its pool (no buffer); ``round_fits``
+    is agreed, so ranks whose own selections differ take the same answer."""
+    from ulacache.stripe import StripeAddressSpace
+
+    cfg = UlaCacheConfig(layout="tiny", row_bytes=16, n_layers=2, gpu_slots=32, cpu_slots=96,
+                         page_size=4, n_buckets=4, tp_size=2, tp_attention="dcp",
+                         validate=False)
+
+    def body(peers):
+        s = StripeAddressSpace(cfg, peers, n_logical=256)
+        fits = (s.prefill_fits([64]), s.prefill_fits([65]), s.prefill_fits([40, 24]))
+        # rank 0 passes 33 of its own addresses, rank 1 none: neither may say yes alone
+        own = torch.arange(0, 66, 2) if peers.rank == 0 else torch.tensor([-1])
+        rounds = (s.round_fits(own.view(1, -1)), s.round_fits(torch.arange(0, 64).view(1, -1)))
+        s.begin_round()
+        s.place(torch.arange(64))
+        return fits, rounds, s.counters()[0]["place_overflow"]
+
+    for fits, rounds, overflow in run_ranks(2, body):
+        assert fits == (True, False, True) and rounds == (False, True) and overflow == 0
 
 
 def test_dp_prefill_fits_exactly_the_gpu_pool():

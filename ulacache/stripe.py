@@ -10,7 +10,7 @@ over its ``ceil(n / P)`` local positions; there is no buffer, no gate and no pee
 the per-step access exchanges nothing (each rank promotes the rows it owns).
 
 What stays collective: host-checked calls (validate on, and ``write`` / ``read``) agree on one
-verdict before any rank mutates (:func:`ulacache.tp.agree_verdict`), so every rank raises the
+verdict before any rank mutates (:func:`ulacache.striping.agree_verdict`), so every rank raises the
 same typed error or none does; ``read`` (tests and tools) gathers rows from their owners.
 Every rank passes the same global addresses to every call (SPMD), and an address a rank does
 not own is padding there: never counted, never an error.
@@ -26,16 +26,15 @@ import torch
 from .address import local_position, owner_rank
 from .config import UlaCacheConfig
 from .errors import AddressError, ConfigError, ShapeError
-from .group import COUNTERS, add_counts, check_distinct, count_distinct, distinct_addresses
-from .health import CounterMonitor
+from .group import check_distinct, count_distinct, distinct_addresses
 from .pools import resolve_device
 from .space import AddressSpace
-from .tp import agree_verdict, owned_counts
+from .striping import StripedSpace, owned_counts
 
 logger = logging.getLogger(__name__)
 
 
-class StripeAddressSpace:
+class StripeAddressSpace(StripedSpace):
     """This rank's stripe of a TP group's address space ``[0, n_logical)``, attended in place.
 
     Parameters
@@ -75,58 +74,12 @@ class StripeAddressSpace:
                     n_logical, config.gpu_slots, config.cpu_slots)
 
     # -- lookup ---------------------------------------------------------------------------
-    @property
-    def validate(self) -> bool:
-        return self.config.validate
-
-    @property
-    def stream(self):
-        return self.local.stream
-
-    def set_stream(self, stream) -> None:
-        """Issue every core mutation on ``stream`` (the engine's forward stream)."""
-        self.local.set_stream(stream)
-
-    @property
-    def health(self) -> CounterMonitor:
-        return self.local.health
-
-    @property
-    def round_serial(self) -> int:
-        return self.local.round_serial
-
     def attn_rows(self, layer: int) -> torch.Tensor:
         """This rank's GPU rows of ``layer``, ``uint8 [G + 1, row_bytes]`` (its own slots and the
         scratch row): the rows :meth:`plan` returns index it after subtracting ``row_base``."""
         return self.local.gpu_rows(layer)
 
     gpu_rows = attn_rows
-
-    def _group_of(self, layer: int) -> int:
-        self.local.group_of(layer)  # type and range checks with the DP wording
-        return self.layer_to_group[layer]
-
-    def _split(self, addrs: torch.Tensor, name: str):
-        """(flat global addresses, in range, this rank's, its local positions or -1)."""
-        flat = self.local.checked_addresses(addrs, name).reshape(-1).to(torch.int64)
-        inrange = (flat >= 0) & (flat < self.n_logical)
-        mine = inrange & (owner_rank(flat, self.P) == self.rank)
-        return flat, inrange, mine, torch.where(mine, local_position(flat, self.P), -1)
-
-    def _agree(self, check) -> None:
-        agree_verdict(self.peers, self.device, check)
-
-    def _check_range(self, flat: torch.Tensor, inrange: torch.Tensor, what: str) -> None:
-        if bool(((flat != -1) & ~inrange).any()):
-            raise AddressError(f"{what}: addrs out of range [0, {self.n_logical}) (or negative "
-                               "other than the -1 padding)")
-
-    def _count_out_of_range(self, groups, flat: torch.Tensor, inrange: torch.Tensor) -> None:
-        """Validate off: global addresses out of range are padding on every rank's shard, so
-        count them as ``invalid`` here (once per rank, as every rank sees them)."""
-        bad = {"invalid": ((flat != -1) & ~inrange).sum()}
-        for g in groups:
-            add_counts(g.counters, COUNTERS, bad)
 
     # -- rounds ---------------------------------------------------------------------------
     def begin_round(self) -> None:
@@ -163,10 +116,6 @@ class StripeAddressSpace:
                            "step whose selections fall unevenly on the ranks may overflow "
                            "(counted as access_overflow, served as padding)", self.gpu_slots,
                            what)
-
-    def agree(self, ok: bool) -> bool:
-        """Collective (host-side): whether ``ok`` holds on every rank."""
-        return self.peers.agree(ok)
 
     # -- placement and release --------------------------------------------------------------
     def check_place(self, addrs: torch.Tensor) -> None:
@@ -220,25 +169,6 @@ class StripeAddressSpace:
         with self.stream.scope():
             g.write(layer, lpos, rows)
 
-    def read(self, layer: int, addrs: torch.Tensor) -> torch.Tensor:
-        """``uint8 [n, row_bytes]`` rows of live addresses from their owners, wherever they
-        live; zeros for ``-1``. Collective (tests and tools: ``P x n`` rows all-gathered)."""
-        gi = self._group_of(layer)
-        flat, inrange, mine, lpos = self._split(addrs, "read: addrs")
-        g = self.groups[gi]
-
-        def check():
-            self._check_range(flat, inrange, "read")
-            g.check_read(lpos)
-        self._agree(check)
-        with self.stream.scope():
-            own = g.read(layer, lpos)
-        own = torch.where(mine.unsqueeze(1), own, torch.zeros((), dtype=torch.uint8))
-        everyone = self.peers.all_gather(own.contiguous())
-        owner = torch.where(inrange, owner_rank(flat, self.P), 0)
-        got = everyone[owner, torch.arange(flat.numel(), device=self.device)]
-        return torch.where(inrange.unsqueeze(1), got, torch.zeros((), dtype=torch.uint8))
-
     def gather(self, layer: int, addrs: torch.Tensor, dst: torch.Tensor,
                dst_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's own rows of ``addrs`` into ``dst`` at ``dst_rows`` (a prefill stage of
@@ -287,15 +217,6 @@ class StripeAddressSpace:
         """Nothing to move per layer (no rank reads a peer's rows)."""
         self._group_of(layer)
 
-    def prefetch(self, group: int, addrs: torch.Tensor, budget: torch.Tensor) -> None:
-        """This rank's share of a prefetch: its own rows among the predicted global ``addrs``
-        (:meth:`ulacache.space.AddressSpace.prefetch`; ``budget`` is this rank's)."""
-        _, _, _, lpos = self._split(addrs, "prefetch: addrs")
-        self.local.prefetch(group, lpos, budget)
-
-    def use_prefetch_tables(self) -> None:
-        self.local.use_prefetch_tables()
-
     def distinct(self, table: torch.Tensor, size: int, first: int = 0
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This rank's own distinct global addresses of ``table`` (the rows it attends):
@@ -335,18 +256,6 @@ class StripeAddressSpace:
     def counters(self) -> list[dict[str, int]]:
         """Per group: the DP core's counters of this rank's stripe."""
         return self.local.counters()
-
-    def local_live(self, live: torch.Tensor) -> torch.Tensor:
-        """``bool [n_local]``: this rank's share of a global live mask."""
-        live = live.to(self.device)
-        out = torch.zeros(self.n_local, dtype=torch.bool, device=self.device)
-        addr = torch.arange(self.rank, self.n_logical, self.P, device=self.device)
-        out[local_position(addr, self.P)] = live[addr]
-        return out
-
-    def check_placed(self, live: torch.Tensor) -> None:
-        """Every live address of this rank's stripe has a row in every group."""
-        self.local.check_placed(self.local_live(live))
 
     def check_integrity(self, live: torch.Tensor | None = None) -> None:
         """This rank's DP invariants over its stripe. ``live``: ``bool [n_logical]`` of

@@ -49,10 +49,10 @@ import torch
 from ulacache.kernels.cuda_rows import kernels_available
 from ulacache.kernels.dispatch import gather_rows_peers, pool_ptr_table
 
-from .address import local_position, owner_rank
+from .address import owner_rank
 from .buffer import LocalBuffer
 from .config import UlaCacheConfig
-from .errors import AddressError, CapacityExhausted, ConfigError, ShapeError, UlaCacheError
+from .errors import AddressError, CapacityExhausted, ConfigError, ShapeError
 from .group import (
     COUNTERS,
     add_counts,
@@ -67,6 +67,7 @@ from .health import CounterMonitor
 from .pblru import PBLRUArena
 from .pools import resolve_device
 from .space import AddressSpace
+from .striping import StripedSpace, agree_verdict, owned_counts  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -97,45 +98,11 @@ _TP_WHAT = {
 }
 
 
-def owned_counts(seq_lens: list[int], P: int) -> list[int]:
-    """Tokens of sequences of these lengths each of ``P`` ranks owns: position ``p`` lives on
-    rank ``p % P`` (SGLang's paged allocator keeps ``loc % 64 == pos % 64`` and ``P | 64``, so
-    owners follow positions)."""
-    return [sum(max(0, (n - r + P - 1) // P) for n in seq_lens) for r in range(P)]
-
-
 def buffer_used(values: dict[str, int]) -> dict[str, int]:
     """Buffer slots holding a copy, derived from a group's TP counters (every claim is a new
     row's copy or a fetch; evictions and drops free one)."""
     return {"buffer_used": values["new_buffered"] + values["peer_fetches"]
             - values["buffer_evictions"] - values["buffer_drops"]}
-
-
-_ERRORS = (ShapeError, AddressError, CapacityExhausted, UlaCacheError)  # verdict order
-
-def agree_verdict(peers, device: torch.device, check) -> None:
-    """Run a host-side ``check`` on every rank of ``peers`` and raise the same error type on
-    every rank if any rank failed, so that no rank mutates (or blocks in a collective) while
-    another has stopped. Collective. The verdict: the most basic failure (bad shape, then bad
-    address, then no capacity) of the lowest rank that found it."""
-    err: Exception | None = None
-    try:
-        check()
-    except _ERRORS as e:
-        err = e
-    code = 0 if err is None else 1 + next(i for i, t in enumerate(_ERRORS)
-                                          if isinstance(err, t))
-    codes = peers.all_gather(torch.tensor([code], dtype=torch.int64,
-                                          device=device)).reshape(-1).tolist()
-    failed = [(c, r) for r, c in enumerate(codes) if c]
-    if not failed:
-        return
-    kind, first = min(failed)
-    if first == peers.rank:
-        raise type(err)(f"rank {peers.rank}: {err}") from err
-    mine = f"; this rank found: {err}" if err is not None else ""
-    raise _ERRORS[kind - 1](f"rank {first} refused this call ({_ERRORS[kind - 1].__name__});"
-                            f" no rank changed anything{mine}")
 
 
 INVALID_ROW = -2
@@ -154,7 +121,7 @@ class _Plan:
         self.src_rank, self.src_slot, self.dst_row = src_rank, src_slot, dst_row
 
 
-class TPAddressSpace:
+class TPAddressSpace(StripedSpace):
     """This rank's share of a TP group's striped address space ``[0, n_logical)``.
 
     Parameters
@@ -257,23 +224,6 @@ class TPAddressSpace:
                     n_logical, G, config.cpu_slots, B)
 
     # -- lookup ---------------------------------------------------------------------------
-    @property
-    def validate(self) -> bool:
-        return self.config.validate
-
-    @property
-    def stream(self):
-        return self.local.stream
-
-    def set_stream(self, stream) -> None:
-        """Issue every core mutation on ``stream`` (the engine's forward stream)."""
-        self.local.set_stream(stream)
-
-    @property
-    def health(self) -> CounterMonitor:
-        """The DP counters' monitor of this rank's shard (``tp_health``: the TP gates')."""
-        return self.local.health
-
     def attn_rows(self, layer: int) -> torch.Tensor:
         """This rank's rows of ``layer``, ``uint8 [G + 1 + B, row_bytes]``: own slots, scratch,
         buffer. The rows :meth:`plan` returns index it after subtracting ``row_base`` (the
@@ -283,29 +233,8 @@ class TPAddressSpace:
 
     gpu_rows = attn_rows
 
-    def _group_of(self, layer: int) -> int:
-        self.local.group_of(layer)  # type and range checks with the DP wording
-        return self.layer_to_group[layer]
-
-    def _split(self, addrs: torch.Tensor, name: str):
-        """(flat global addresses, in range, this rank's, its local positions or -1)."""
-        flat = self.local.checked_addresses(addrs, name).reshape(-1).to(torch.int64)
-        inrange = (flat >= 0) & (flat < self.n_logical)
-        mine = inrange & (owner_rank(flat, self.P) == self.rank)
-        return flat, inrange, mine, torch.where(mine, local_position(flat, self.P), -1)
-
-    def _count_out_of_range(self, groups, flat: torch.Tensor, inrange: torch.Tensor) -> None:
-        """Validate off: global addresses out of range are masked here (their local position is
-        -1, which the shard's groups skip as padding), so count them as ``invalid`` here."""
-        bad = {"invalid": ((flat != -1) & ~inrange).sum()}
-        for g in groups:
-            add_counts(g.counters, COUNTERS, bad)
-
     def _count(self, gi: int, **values: torch.Tensor) -> None:
         add_counts(self.tp_counters[gi], TP_COUNTERS, values)
-
-    def _agree(self, check) -> None:
-        agree_verdict(self.peers, self.device, check)
 
     # -- rounds ---------------------------------------------------------------------------
     def begin_round(self) -> None:
@@ -320,10 +249,6 @@ class TPAddressSpace:
         with self.stream.scope():
             self.tp_health.poll()
         self._plans = [None] * len(self.groups)
-
-    @property
-    def round_serial(self) -> int:
-        return self.local.round_serial
 
     # -- what a round can hold (the engine's admission asks these) -------------------------
     def prefill_fits(self, seq_lens: list[int]) -> bool:
@@ -363,12 +288,6 @@ class TPAddressSpace:
             logger.warning("ulacache TP: own GPU pool %d rows < one step's selections %s; a step "
                            "whose selections fall unevenly on the ranks may overflow (counted "
                            "as access_overflow, served as padding)", self.gpu_slots, what)
-
-    def agree(self, ok: bool) -> bool:
-        """Collective (host-side): whether ``ok`` holds on every rank, e.g. that the engine's
-        logical allocation succeeded everywhere, so that every rank takes the same branch and
-        the lockstep schedulers stay in step (:meth:`ulacache.ipc.Peers.agree`)."""
-        return self.peers.agree(ok)
 
     # -- placement and release --------------------------------------------------------------
     def check_place(self, addrs: torch.Tensor) -> None:
@@ -464,27 +383,6 @@ class TPAddressSpace:
             dst = torch.where(slot >= 0, self.gpu_slots + 1 + slot, -1)
             keep = dst >= 0
             self.attn_rows(layer)[dst[keep]] = rows.to(self.device)[keep]
-
-    def read(self, layer: int, addrs: torch.Tensor) -> torch.Tensor:
-        """``uint8 [n, row_bytes]`` rows of live addresses from their owners, wherever they
-        live (GPU or CPU tier); zeros for ``-1``. Collective (tests and tools)."""
-        gi = self._group_of(layer)
-        flat, inrange, mine, lpos = self._split(addrs, "read: addrs")
-        g = self.local.groups[gi]
-
-        def check():
-            if bool(((flat != -1) & ~inrange).any()):
-                raise AddressError(f"read: addrs out of range [0, {self.n_logical})")
-            g.check_read(lpos)  # this rank's addresses live
-        # an owner that cannot serve an address must not leave its peers in the all-gather
-        self._agree(check)
-        with self.stream.scope():
-            own = g.read(layer, lpos)
-        own = torch.where(mine.unsqueeze(1), own, torch.zeros((), dtype=torch.uint8))
-        everyone = self.peers.all_gather(own.contiguous())
-        owner = torch.where(inrange, owner_rank(flat, self.P), 0)
-        got = everyone[owner, torch.arange(flat.numel(), device=self.device)]
-        return torch.where(inrange.unsqueeze(1), got, torch.zeros((), dtype=torch.uint8))
 
     def gather(self, layer: int, addrs: torch.Tensor, dst: torch.Tensor,
                dst_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -643,18 +541,6 @@ class TPAddressSpace:
         return in_pieces(addrs, out, self.call_capacity, self.device,
                          lambda piece, dst: self.access(group, piece, dst))
 
-    def prefetch(self, group: int, addrs: torch.Tensor, budget: torch.Tensor) -> None:
-        """This rank's share of a prefetch (not collective): its own rows among the predicted
-        global ``addrs`` are promoted into its own pool, as the owner's part of the next plan
-        would (:meth:`ulacache.space.AddressSpace.prefetch`; ``budget`` is this rank's). Peers'
-        rows are left to the plan's gates."""
-        _, _, _, lpos = self._split(addrs, "prefetch: addrs")
-        self.local.prefetch(group, lpos, budget)
-
-    def use_prefetch_tables(self) -> None:
-        """The shard's separate prefetch scratch (:meth:`AddressSpace.use_prefetch_tables`)."""
-        self.local.use_prefetch_tables()
-
     def access_distinct(self, group: int, table: torch.Tensor, first: int = 0) -> None:
         """:meth:`access` on the distinct global addresses of a large ``table`` (any shape;
         ``-1`` and addresses below ``first`` are padding): a prefill page table of ``T x
@@ -723,18 +609,6 @@ class TPAddressSpace:
         """Per group: the DP core's counters of this rank's shard plus the TP gates."""
         tp = self.tp_counters.tolist()
         return [{**c, **dict(zip(TP_COUNTERS, t))} for c, t in zip(self.local.counters(), tp)]
-
-    def local_live(self, live: torch.Tensor) -> torch.Tensor:
-        """``bool [n_local]``: this rank's share of a global live mask."""
-        live = live.to(self.device)
-        out = torch.zeros(self.n_local, dtype=torch.bool, device=self.device)
-        addr = torch.arange(self.rank, self.n_logical, self.P, device=self.device)
-        out[local_position(addr, self.P)] = live[addr]
-        return out
-
-    def check_placed(self, live: torch.Tensor) -> None:
-        """Every live address of this rank's shard has a row in every group."""
-        self.local.check_placed(self.local_live(live))
 
     def gate_claims_clean(self) -> bool:
         """The fused gates' claim hash is clean (host read; True on the torch path, which has
