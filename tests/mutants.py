@@ -104,6 +104,7 @@ MUTANTS = [  # (file, original, mutant, what it models)
      "PB-LRU turnover never counted"),
 ]
 TPF, BUF = "ulacache/tp.py", "ulacache/buffer.py"
+STR = "ulacache/striping.py"  # what the striped modes share
 TP_TESTS = ["tests/test_tp.py"]
 TP_MUTANTS = [  # TP mode: the striped space and the local buffer, checked by tests/test_tp.py
     (TPF, "            b.touch(torch.where(first & hit, bslot, -1))\n", "",
@@ -115,7 +116,7 @@ TP_MUTANTS = [  # TP mode: the striped space and the local buffer, checked by te
      "a rewrite leaves the copies stale"),
     (TPF, "(owner, owner_slot, self.gpu_slots + 1 + got)",
      "(owner, owner_slot, self.gpu_slots + got)", "buffer rows off by one (onto scratch)"),
-    (TPF, "mine = inrange & (owner_rank(flat, self.P) == self.rank)",
+    (STR, "mine = inrange & (owner_rank(flat, self.P) == self.rank)",
      "mine = inrange & (owner_rank(flat, self.P) <= self.rank)", "ownership test widened"),
     (TPF, "want = first & theirs & ~hit & (owner_slot >= 0)",
      "want = theirs & ~hit & (owner_slot >= 0)", "a peer row fetched once per duplicate"),
@@ -268,7 +269,7 @@ HOSTILE_MUTANTS = [  # refusals that change nothing, and TP verdicts every rank 
     (TPF, "            self.peers.fence()\n", "", "TP: no fence at the round start"),
     (TPF, "            g.check_write(layer, lpos, rows)  # shapes", "            pass  # shapes",
      "TP write: ranks write before the owner's verdict"),
-    (TPF, "            g.check_read(lpos)  # this rank's", "            pass  # this rank's",
+    (STR, "            g.check_read(lpos)  # this rank's", "            pass  # this rank's",
      "TP read: an owner raises while its peers gather"),
     (TPF, '        check_out(out, addrs.shape, self.device, "plan")\n', "",
      "TP plan: a wrong out accepted"),
@@ -322,7 +323,7 @@ STRIPE_TESTS = ["tests/test_stripe.py", "tests/test_fused_tp.py", "-k",
                 "not per_rank_memory and (dcp or stateful or merge or refusals or production)"]
 SP, RM = "ulacache/stripe.py", "ulacache/oracle/refmodel.py"
 STRIPE_MUTANTS = [  # DCP TP mode: each rank's stripe, the partial attention and its merge
-    (SP, "        return flat, inrange, mine, torch.where(mine, local_position(flat, self.P), -1)",
+    (STR, "        return flat, inrange, mine, torch.where(mine, local_position(flat, self.P), -1)",
      "        return flat, inrange, mine, torch.where(inrange, local_position(flat, self.P), -1)",
      "DCP: a rank accesses its peers' addresses at their local positions"),
     (SP, "        return self.peers.agree(own <= self.gpu_slots)",

@@ -12,7 +12,8 @@ ALL = (mutants.MUTANTS + mutants.TP_MUTANTS + mutants.FUSED_MUTANTS + mutants.FU
        + mutants.FUSED_ROUND_MUTANTS + mutants.HOSTILE_MUTANTS + mutants.PIECES_MUTANTS
        + mutants.DISTINCT_MUTANTS + mutants.INTERFACE_MUTANTS + mutants.SHADOW_MUTANTS
        + mutants.FUSED_SHADOW_MUTANTS + mutants.PREFILL_MUTANTS
-       + mutants.SGLANG_STAGE_MUTANTS + mutants.PREFETCH_MUTANTS + mutants.BUFMAP_MUTANTS)
+       + mutants.SGLANG_STAGE_MUTANTS + mutants.PREFETCH_MUTANTS + mutants.BUFMAP_MUTANTS
+       + mutants.STRIPE_MUTANTS + mutants.SGLANG_DCP_MUTANTS + mutants.SGLANG_STRIPE_MUTANTS)
 
 
 @pytest.mark.parametrize("path,old,new,what", ALL, ids=[m[3] for m in ALL])
