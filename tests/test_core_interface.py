@@ -98,18 +98,43 @@ def test_tp_prefill_fits_each_ranks_share_and_its_buffer():
         assert overflow == 0 and spills == 0
 
 
-def test_tp_step_capacity_needs_the_buffer_and_a_balanced_share():
+def test_tp_step_capacity_needs_the_buffer_and_a_share_with_margin():
     def body(peers):
         s = TPAddressSpace(TP, peers, n_logical=256)
-        s.check_step_capacity(2, 1, 19)  # 40 rows: the buffer exactly, 20 per rank
+        s.check_step_capacity(1, 1, 19)  # 20 rows: share 10 + 6 sd (ceil 6 x 2.24) = 24 <= 32
         out = []
         for args in ((2, 1, 20), (1, 2, 20)):  # 42 rows: more than the buffer
             with pytest.raises(ConfigError, match="local buffer"):
                 s.check_step_capacity(*args)
             out.append(True)
+        # 40 rows fit the buffer exactly, but the own pool (32) is below 20 + 19 = 39
+        with pytest.raises(ConfigError, match="margin for uneven steps"):
+            s.check_step_capacity(2, 1, 19)
         return out
 
     assert run_ranks(2, body) == [[True, True], [True, True]]
+
+
+def test_step_share_bound_covers_uneven_steps():
+    """The margin: the share of a step a rank may own, measured on random selections (64
+    requests x 2,049 distinct positions of histories 4K..128K long on 8 ranks): the balanced
+    share overflows on most steps; the bound never, in 2,000 steps."""
+    from ulacache.striping import step_share_bound
+
+    assert step_share_bound(0, 8) == 0 and step_share_bound(5, 8) == 5  # never over n
+    assert step_share_bound(64 * 2049, 8) == 16392 + 719
+    gen = torch.Generator().manual_seed(0)
+    n = 64 * 2049
+    lengths = torch.randint(4096, 131072, (64,), generator=gen)
+    over_balanced = over_bound = 0
+    for _ in range(2000):
+        share = torch.zeros(8, dtype=torch.int64)
+        for L in lengths.tolist():  # 2,049 distinct residues mod 8 of positions < L
+            pos = torch.randint(0, L, (2049,), generator=gen)
+            share += torch.bincount(pos % 8, minlength=8)
+        over_balanced += int(share.max()) > -(-n // 8)
+        over_bound += int(share.max()) > step_share_bound(n, 8)
+    assert over_balanced > 1500 and over_bound == 0
 
 
 @pytest.mark.parametrize("page,G,B", [(64, 4096, 0), (64, 39424, 131136), (4, 7, 3), (64, 1, 0)])

@@ -19,7 +19,6 @@ not own is padding there: never counted, never an error.
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 
@@ -29,7 +28,7 @@ from .errors import AddressError, ConfigError, ShapeError
 from .group import check_distinct, count_distinct, distinct_addresses
 from .pools import resolve_device
 from .space import AddressSpace
-from .striping import StripedSpace, owned_counts
+from .striping import StripedSpace, owned_counts, step_share_bound
 
 logger = logging.getLogger(__name__)
 
@@ -102,20 +101,19 @@ class StripeAddressSpace(StripedSpace):
         return self.peers.agree(own <= self.gpu_slots)
 
     def check_step_capacity(self, requests: int, steps: int, top_k: int) -> None:
-        """Raise :class:`ConfigError` unless each rank's pool holds at least its balanced
-        ``1/P`` share of one decode step's selections; warn when an uneven step could overflow
-        it (counted as ``access_overflow``, served as padding)."""
+        """Raise :class:`ConfigError` unless each rank's pool holds its share of one decode
+        step's selections with the margin :func:`ulacache.striping.step_share_bound` gives
+        (a step whose selections fall more unevenly still would overflow: counted as
+        ``access_overflow``, served as padding)."""
         worst = requests * steps * (top_k + 1)
-        what = f"({requests} requests x {steps} tokens) x (top-k {top_k} + 1) = {worst}"
-        if self.gpu_slots < math.ceil(worst / self.P):
-            raise ConfigError(f"each rank's GPU pool ({self.gpu_slots} rows) must hold at "
-                              f"least its 1/{self.P} share of one step's selections, {what} / "
-                              f"{self.P}")
-        if self.gpu_slots < worst:
-            logger.warning("ulacache DCP: own GPU pool %d rows < one step's selections %s; a "
-                           "step whose selections fall unevenly on the ranks may overflow "
-                           "(counted as access_overflow, served as padding)", self.gpu_slots,
-                           what)
+        need = step_share_bound(worst, self.P)
+        if self.gpu_slots < need:
+            raise ConfigError(
+                f"each rank's GPU pool ({self.gpu_slots} rows) must hold its share of one "
+                f"step's selections, ({requests} requests x {steps} tokens) x (top-k {top_k} "
+                f"+ 1) = {worst} over {self.P} ranks: {need} rows (the balanced "
+                f"{-(-worst // self.P)} and a margin for uneven steps); give the KV cache "
+                "more memory, lower cpu_ratio or --max-running-requests")
 
     # -- placement and release --------------------------------------------------------------
     def check_place(self, addrs: torch.Tensor) -> None:

@@ -42,7 +42,6 @@ them. (The calls may be captured in a CUDA graph, so the core cannot track them 
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 
@@ -67,7 +66,12 @@ from .health import CounterMonitor
 from .pblru import PBLRUArena
 from .pools import resolve_device
 from .space import AddressSpace
-from .striping import StripedSpace, agree_verdict, owned_counts  # noqa: F401 (re-exported)
+from .striping import (  # noqa: F401 (owned_counts, agree_verdict: re-exported)
+    StripedSpace,
+    agree_verdict,
+    owned_counts,
+    step_share_bound,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -272,22 +276,20 @@ class TPAddressSpace(StripedSpace):
 
     def check_step_capacity(self, requests: int, steps: int, top_k: int) -> None:
         """Raise :class:`ConfigError` unless the buffer holds one decode step's selections and
-        new tokens (all may be peers' rows) and the own pool at least its balanced ``1/P``
-        share; warn when a step whose selections fall unevenly could overflow the own pool
-        (counted as ``access_overflow``, served as padding)."""
+        new tokens (all may be peers' rows) and the own pool its share of them with the margin
+        :func:`ulacache.striping.step_share_bound` gives (a step whose selections fall more
+        unevenly still would overflow: counted as ``access_overflow``, served as padding)."""
         worst = requests * steps * (top_k + 1)
         what = f"({requests} requests x {steps} tokens) x (top-k {top_k} + 1) = {worst}"
         if self.buffer_slots < worst:
             raise ConfigError(f"the local buffer ({self.buffer_slots} rows) must hold one "
                               f"step's selections of peers' rows: {what}")
-        if self.gpu_slots < math.ceil(worst / self.P):
-            raise ConfigError(f"each rank's GPU pool ({self.gpu_slots} rows) must hold at "
-                              f"least its 1/{self.P} share of one step's selections, {what} / "
-                              f"{self.P}")
-        if self.gpu_slots < worst:
-            logger.warning("ulacache TP: own GPU pool %d rows < one step's selections %s; a step "
-                           "whose selections fall unevenly on the ranks may overflow (counted "
-                           "as access_overflow, served as padding)", self.gpu_slots, what)
+        need = step_share_bound(worst, self.P)
+        if self.gpu_slots < need:
+            raise ConfigError(f"each rank's GPU pool ({self.gpu_slots} rows) must hold its "
+                              f"share of one step's selections, {what} over {self.P} ranks: "
+                              f"{need} rows (the balanced {-(-worst // self.P)} and a margin "
+                              "for uneven steps)")
 
     # -- placement and release --------------------------------------------------------------
     def check_place(self, addrs: torch.Tensor) -> None:

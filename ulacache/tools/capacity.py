@@ -84,6 +84,7 @@ from ulacache.config import SGLangOptions
 from ulacache.layout import PoolRows
 from ulacache.oracle.refmodel import ModelGeometry
 from ulacache.sizing import CPU_FREE_STACK_BYTES, coordinator_output_bytes, table_bytes_per_slot
+from ulacache.striping import step_share_bound
 
 logger = logging.getLogger(__name__)
 
@@ -502,10 +503,12 @@ def capacity(inp: Inputs, system: str) -> Point:
 
         def pool_tp(r: int) -> int:
             return ulacache_tp_pool(inp, r, b, shard, dcp=dcp)
-        # each rank's own pool (N / P rows) holds its 1/P share of one decode step
-        # (check_step_capacity of both striped spaces refuses to start otherwise)
+        # each rank's own pool (N / P rows) holds its share of one decode step with the
+        # margin for uneven steps (check_step_capacity of both striped spaces refuses to
+        # start otherwise)
+        need = step_share_bound(step, P)
         c = _pick(0, lambda r: (1 + r) * pool_tp(r), pool_tp, inp.min_gpu_tokens,
-                  ok=lambda r: pool_tp(r) // P * P >= step)
+                  ok=lambda r: pool_tp(r) // P >= need)
         n = pool_tp(c)
         cell, fixed = ulacache_tp_charge(inp, c, b, shard, dcp=dcp)
         per = _tables(inp.groups, 1 + c, P, b, inp.layers, dcp)[0]
@@ -559,7 +562,8 @@ def max_requests(inp: Inputs, system: str, history: int) -> tuple[int, int | Non
         def fits(r: int, c: int) -> bool:
             n = ulacache_tp_pool(inp, c, tp_buffer_rows(inp, r, S, dcp), shard, r, dcp)
             own = n // P
-            return r * S <= (1 + c) * n and math.ceil(S / P) <= own and own * P >= r * step
+            return r * S <= (1 + c) * n and math.ceil(S / P) <= own and \
+                own >= step_share_bound(r * step, P)
 
         def pool_tp0(c: int) -> int:  # the least charge (no running request): an upper bound
             return ulacache_tp_pool(inp, c, tp_buffer_rows(inp, 0, S, dcp), shard, 0, dcp)
