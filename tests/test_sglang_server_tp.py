@@ -41,8 +41,11 @@ def tmp(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tp(tmp):
     model = write_model(tmp / "dsa", "DeepseekV32ForCausalLM")
-    # ULA's --max-total-tokens 320 is the group's: 160 GPU tokens per rank
+    # --max-total-tokens 384 (the last flag wins over ULA's 320) is the group's: 192 GPU
+    # tokens per rank, what a rank needs for its share of a decode step of 4 requests x 65
+    # rows with the margin for uneven steps (130 + 49 = 179; ulacache.striping.step_share_bound)
     ref, run = _pair(tmp, "tp", model, ["--tp-size", "2"], ["--tp-size", "2",
+                     "--max-total-tokens", "384",
                      "--ulacache-config", json.dumps({"mode": "tp", "cpu_ratio": CPU_RATIO})],
                      TP_ENV, new_batch=TP_BATCH)
     yield ref, run
@@ -52,9 +55,9 @@ def tp(tmp):
 
 
 def test_tp2_matches_the_stock_pool_and_moves_rows_between_ranks(tp):
-    """Two ranks stripe one address space (each owns every other token); 300 + 48 tokens of
-    history against 160 GPU tokens per rank: promotions on each owner; the batch's history
-    overflows each rank's buffer, so peers' rows are copied between ranks."""
+    """Two ranks stripe one address space (each owns every other token); the batch's 816
+    tokens of history against 192 GPU tokens per rank: promotions on each owner; the batch's
+    history overflows each rank's buffer, so peers' rows are copied between ranks."""
     ref, run = tp
     assert [tokens(generate(run.srv, p, NEW_LONG)) for p in LONG[:2]] == ref["long"]
     assert tokens(generate(run.srv, BATCH, TP_BATCH)) == ref["batch"]
