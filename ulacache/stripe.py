@@ -24,11 +24,11 @@ import torch
 
 from .address import local_position, owner_rank
 from .config import UlaCacheConfig
-from .errors import AddressError, ConfigError, ShapeError
+from .errors import AddressError, ShapeError
 from .group import check_distinct, count_distinct, distinct_addresses
 from .pools import resolve_device
 from .space import AddressSpace
-from .striping import StripedSpace, owned_counts, step_share_bound
+from .striping import StripedSpace, owned_counts
 
 logger = logging.getLogger(__name__)
 
@@ -105,15 +105,7 @@ class StripeAddressSpace(StripedSpace):
         step's selections with the margin :func:`ulacache.striping.step_share_bound` gives
         (a step whose selections fall more unevenly still would overflow: counted as
         ``access_overflow``, served as padding)."""
-        worst = requests * steps * (top_k + 1)
-        need = step_share_bound(worst, self.P)
-        if self.gpu_slots < need:
-            raise ConfigError(
-                f"each rank's GPU pool ({self.gpu_slots} rows) must hold its share of one "
-                f"step's selections, ({requests} requests x {steps} tokens) x (top-k {top_k} "
-                f"+ 1) = {worst} over {self.P} ranks: {need} rows (the balanced "
-                f"{-(-worst // self.P)} and a margin for uneven steps); give the KV cache "
-                "more memory, lower cpu_ratio or --max-running-requests")
+        self._check_step_share(requests, steps, top_k)
 
     # -- placement and release --------------------------------------------------------------
     def check_place(self, addrs: torch.Tensor) -> None:

@@ -16,7 +16,7 @@ import math
 import torch
 
 from .address import local_position, owner_rank
-from .errors import AddressError, CapacityExhausted, ShapeError, UlaCacheError
+from .errors import AddressError, CapacityExhausted, ConfigError, ShapeError, UlaCacheError
 from .group import COUNTERS, add_counts
 from .health import CounterMonitor
 
@@ -132,6 +132,21 @@ class StripedSpace:
 
     def _agree(self, check) -> None:
         agree_verdict(self.peers, self.device, check)
+
+    def _check_step_share(self, requests: int, steps: int, top_k: int) -> None:
+        """Raise :class:`ConfigError` unless this rank's own pool holds its share of one
+        decode step's selections with the margin :func:`step_share_bound` gives (a step whose
+        selections fall more unevenly still would overflow: counted as ``access_overflow``,
+        served as padding)."""
+        worst = requests * steps * (top_k + 1)
+        need = step_share_bound(worst, self.P)
+        if self.config.gpu_slots < need:
+            raise ConfigError(
+                f"each rank's GPU pool ({self.config.gpu_slots} rows) must hold its share of "
+                f"one step's selections, ({requests} requests x {steps} tokens) x (top-k "
+                f"{top_k} + 1) = {worst} over {self.P} ranks: {need} rows (the balanced "
+                f"{-(-worst // self.P)} and a margin for uneven steps); give the KV cache "
+                "more memory, lower cpu_ratio or --max-running-requests")
 
     def agree(self, ok: bool) -> bool:
         """Collective (host-side): whether ``ok`` holds on every rank, e.g. that the engine's

@@ -284,12 +284,7 @@ class TPAddressSpace(StripedSpace):
         if self.buffer_slots < worst:
             raise ConfigError(f"the local buffer ({self.buffer_slots} rows) must hold one "
                               f"step's selections of peers' rows: {what}")
-        need = step_share_bound(worst, self.P)
-        if self.gpu_slots < need:
-            raise ConfigError(f"each rank's GPU pool ({self.gpu_slots} rows) must hold its "
-                              f"share of one step's selections, {what} over {self.P} ranks: "
-                              f"{need} rows (the balanced {-(-worst // self.P)} and a margin "
-                              "for uneven steps)")
+        self._check_step_share(requests, steps, top_k)
 
     # -- placement and release --------------------------------------------------------------
     def check_place(self, addrs: torch.Tensor) -> None:
