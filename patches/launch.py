@@ -147,7 +147,7 @@ class LaunchPlan:
     draft_tokens: int = 0
     max_running_requests: int | None = None
     tp_size: int = 1
-    stage_tokens: int = 0  # rows of the DP prefill stage (0: none)
+    stage_tokens: int = 0  # rows of a rank's prefill stage (0: none; :func:`stage_tokens`)
 
     def __post_init__(self):
         if (self.tp_size > 1) != self.striped or (self.striped and self.tp_size not in TP_SIZES):
@@ -189,7 +189,7 @@ class LaunchPlan:
                    skip_topk_layers=None if skip_topk_layers is None
                    else tuple(bool(s) for s in skip_topk_layers),
                    draft_tokens=draft_tokens(), max_running_requests=max_running_requests,
-                   tp_size=tp_size, stage_tokens=stage_tokens(options, None))
+                   tp_size=tp_size, stage_tokens=stage_tokens(options, None, tp_size))
 
 
 def model_skip_flags(kvc) -> tuple[bool, ...] | None:
@@ -211,23 +211,24 @@ def plan_launch(kvc) -> LaunchPlan:
     sizing hook charges and the pool allocates (the same function, the same inputs)."""
     opts = sglang_options()
     top_k = getattr(getattr(kvc.model_config, "hf_text_config", None), "index_topk", None)
+    tp_size = int(tp_group().world_size) if opts.mode in ("tp", "dcp") else 1
     return LaunchPlan(options=opts, skip_topk_layers=model_skip_flags(kvc),
                       top_k=int(top_k or DEFAULT_TOP_K), draft_tokens=draft_tokens(),
-                      max_running_requests=max_running_requests(),
-                      tp_size=int(tp_group().world_size) if opts.mode in ("tp", "dcp") else 1,
+                      max_running_requests=max_running_requests(), tp_size=tp_size,
                       stage_tokens=stage_tokens(
-                          opts, getattr(kvc.model_config, "context_len", None)))
+                          opts, getattr(kvc.model_config, "context_len", None), tp_size))
 
 
-def stage_tokens(opts: SGLangOptions, context_len: int | None) -> int:
-    """Rows of the DP prefill stage: ``prefill_stage``, or when null the model's context length
-    (one longest request; 0 when unknown, as for a pool built outside SGLang's call site);
-    0 in modes TP and DCP."""
-    if opts.mode in ("tp", "dcp"):
+def stage_tokens(opts: SGLangOptions, context_len: int | None, tp_size: int = 1) -> int:
+    """Rows of a rank's prefill stage for prefill batches of ``prefill_stage`` tokens, or when
+    null the model's context length (one longest request; 0 when unknown, as for a pool built
+    outside SGLang's call site). DP: that many; DCP: a rank's own share of one request that
+    long, ``ceil(tokens / tp_size)`` (:meth:`ulacache.stripe.StripeAddressSpace.stage_rows`);
+    TP: 0 (a buffered rank's stage would gather its peers' rows: not built)."""
+    if opts.mode == "tp":
         return 0
-    if opts.prefill_stage is not None:
-        return opts.prefill_stage
-    return int(context_len or 0)
+    tokens = opts.prefill_stage if opts.prefill_stage is not None else int(context_len or 0)
+    return -(-tokens // tp_size) if opts.mode == "dcp" else tokens
 
 
 def chunked_prefill_size() -> int | None:

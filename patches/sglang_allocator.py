@@ -156,9 +156,10 @@ class UlaCacheTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         """Whether a prefill batch whose requests reach these lengths (prefix + extend, tokens)
         can be served: in one round, every token GPU-resident at once (the core's
         ``prefill_fits``, DP or TP), or else through the pool's prefill stage, which holds
-        them all (DP; :class:`ulacache.prefill.PrefillStage`). :meth:`alloc_extend` refuses
-        exactly what this refuses (and a staged batch whose new tokens outgrow the pool, which
-        SGLang's chunk size, at most the pool when the stage is on, rules out)."""
+        them all (DP; DCP: each rank its own share; :class:`ulacache.prefill.PrefillStage`).
+        :meth:`alloc_extend` refuses exactly what this refuses (and a staged batch whose new
+        tokens outgrow the pool, which SGLang's chunk size, at most the pool when the stage is
+        on, rules out)."""
         stage = self._kvcache.usable_stage()
         return self.core.prefill_fits(seq_lens) or (stage is not None and stage.fits(seq_lens))
 

@@ -239,8 +239,8 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
         """One ``uint8 [L_g, R, row_bytes]`` tensor per selection group, so a group's layers
         move in one launch; ``kv_buffer[layer]`` is its ``[R, 1, kv_cache_dim]`` view in the
         store dtype. DP: in SGLang's memory-saver region and custom pool, with the prefill
-        stage's one layer of rows when the plan has one; TP: allocated by the peers, which can
-        map it."""
+        stage's one layer of rows when the plan has one (DP and DCP); TP: allocated by the
+        peers, which can map it."""
         rb = self.kv_cache_dim * torch._utils._element_size(self.store_dtype)
         R = self.ula_rows.total
         self._ula_storage: list[tuple[str, torch.Tensor]] = []
@@ -288,8 +288,10 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
                               row_offset=rows.row_base)
 
     def _build_stage(self) -> PrefillStage | None:
-        """The DP prefill stage over the tensor :meth:`_create_buffers` allocated (``None``: TP
-        mode, or ``prefill_stage`` 0). Whether it may be used is :meth:`usable_stage`."""
+        """The prefill stage over the tensor :meth:`_create_buffers` allocated (``None``: mode
+        ``"tp"``, or ``prefill_stage`` 0). DCP: this rank's, over its stripe, of its own share
+        (:func:`~.launch.stage_tokens`); it stages the rows this rank attends and the ranks
+        agree on its verdicts. Whether it may be used is :meth:`usable_stage`."""
         if self._stage_storage is None:
             return None
         self._stage_verdict: bool | None = None  # decided when the chunk size is known
@@ -303,7 +305,10 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
         resolves it after the pool is built) plus a page of rounding slack is at most the
         pool. ``None`` otherwise (chunked prefill off or not yet known: asked again next time;
         larger than the pool: off for good): every prefill batch must then fit the pool, as
-        without a stage."""
+        without a stage. DCP: the same rule against a rank's own pool, which is sound because
+        a rank owns at most every token of a chunk, and cheap (a chunk of 8K against ~17K own
+        slots per rank at GLM-5's 8xH200 launch). Every rank decides alike (the same chunk
+        size and pool)."""
         stage = self.ula_stage
         if stage is None:
             return None
@@ -319,7 +324,7 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
                 return None
             self._stage_verdict = chunk + self.page_size <= G
             if self._stage_verdict:
-                logger.info("ulacache: prefill stage of %d tokens (%.1f MiB, one layer): a "
+                logger.info("ulacache: prefill stage of %d rows (%.1f MiB, one layer): a "
                             "prefill batch longer than the GPU pool (%d slots; chunks of at "
                             "most %d) reads its selections from it", stage.capacity,
                             self._stage_storage.nbytes / 2**20, G, chunk)

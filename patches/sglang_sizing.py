@@ -25,9 +25,9 @@ knows nothing of ulacache, so one AROUND hook on ``DefaultPoolConfigurator.__ini
   SGLang's ``N`` keeps TP mode's meaning (global GPU tokens); stock SGLang counts a DCP pool's
   tokens per rank and so charges index-K ``dcp_size`` times per token
   (``pool_configurator.py:399-409``), which is taken back first;
-* DP mode with a prefill stage (``LaunchPlan.stage_tokens``, ``prefill_stage``): one
+* modes DP and DCP with a prefill stage (``LaunchPlan.stage_tokens``, ``prefill_stage``): one
   layer's rows of it (:class:`ulacache.layout.PoolRows` over the stage: sink page, the staged
-  rows, scratch, padding to a page), fixed;
+  rows, scratch, padding to a page; DCP: a rank's own share of the longest request), fixed;
 * both modes, shared-index models (layers that reuse the previous layer's top-k, SGLang's
   ``dsa_layer_skips_topk``): the pool gives those layers no index-K (``sglang_pool`` passes the
   plan's flags; they never run the indexer, ``forward_mla.py:146-165``), so their share of the

@@ -342,6 +342,14 @@ STRIPE_MUTANTS = [  # DCP TP mode: each rank's stripe, the partial attention and
      "DCP merge: partials normalised by the largest weight, not their sum"),
     (RM, "    lse = torch.logsumexp(s, dim=-1)\n", "    lse = s.amax(-1)\n",
      "DCP: a rank reports its largest score as its log-sum-exp"),
+    (SP, "        return max(owned_counts(seq_lens, self.P))",
+     "        return -(-sum(seq_lens) // self.P)",
+     "DCP stage: a batch admitted by its tokens over P, not the largest rank's share"),
+    ("ulacache/prefill.py", "            space.verdict(check)", "            check()",
+     "DCP stage: a refusal only one rank sees (its own rows past the stage) raised there alone"),
+    (SP, "            self._agree(check)\n        return self.local.gather",
+     "            check()\n        return self.local.gather",
+     "DCP stage: an own dead address refused by its owner alone"),
 ]
 
 SHADOW_TESTS = ["tests/test_shadows.py", "tests/test_stateful.py", "tests/test_core.py", "-k",
@@ -527,6 +535,8 @@ SGLANG_DCP_MUTANTS = [  # mode "dcp" under SGLang: pool, sizing, override, Flash
      "self._compute_dsa_indexer_cell_size(", "DCP sizing: index-K taken back once too often"),
     ("patches/sglang_sizing.py", "        n //= dcp_size()\n", "        pass\n",
      "DCP: the logical capacity widened twice"),
+    ("patches/launch.py", "    return -(-tokens // tp_size) if opts.mode == \"dcp\" else tokens",
+     "    return tokens", "DCP: every rank's stage sized for the whole batch (P x its share)"),
 ]
 
 CONFTEST = '''

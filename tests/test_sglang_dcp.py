@@ -49,15 +49,18 @@ def _harness(rank: int, **kw):
     class DCPHarness(TPHarness):
         """TPHarness in mode "dcp": a row exactly for each own selection."""
 
-        def check_rows(self, layer: int, rows: torch.Tensor, locs: torch.Tensor) -> None:
+        def check_rows(self, layer: int, rows: torch.Tensor, locs: torch.Tensor,
+                       buf: torch.Tensor | None = None) -> None:
             assert rows.dtype == torch.int32
             own = (locs >= 0) & (locs % P == self.rank)
             assert torch.equal(rows >= 0, own), (self.rank, layer)
-            buf = self.pool.kv_buffer[layer]
+            buf = self.pool.kv_buffer[layer] if buf is None else buf
+            # an own row of the pool, or while a staged batch runs, of this rank's stage
+            rows_held = self.pool.ula_stage.capacity if self.pool.staging else self.G
             for r, loc in zip(rows.reshape(-1).tolist(), locs.reshape(-1).tolist()):
                 if r < 0:
                     continue
-                assert PAGE <= r < PAGE + self.G, (loc, r)  # an own GPU row, nothing else
+                assert PAGE <= r < PAGE + rows_held, (loc, r)  # an own row, nothing else
                 if not torch.equal(buf[r, 0], self.latent[(layer, loc)]):
                     assert not self.strict, (self.rank, layer, loc, r)
                     self.mismatches += 1
@@ -176,8 +179,60 @@ def scenario_prefetch(rank: int) -> dict:
     return out
 
 
+STAGE = 1400  # prefill_stage tokens: 700 rows per rank
+
+
+def scenario_stage(rank: int) -> dict:
+    """A request ~5x the group's GPU pool (650 own tokens per rank against G = 256 own slots)
+    prefilled in chunks through each rank's stage, then decoded (its spilled rows promoted
+    back), checks on and off; the stage's admission by each rank's own share."""
+    from ulacache.patches import sglang_pool
+
+    sglang_pool.chunked_prefill_size = lambda: 128  # a launch's resolved chunk (+ a page <= G)
+    out = {}
+    for validate in (True, False):
+        h = _harness(rank, shared=validate, validate=validate, prefill_stage=STAGE)
+        stage = h.pool.usable_stage()
+        h.prefill(1, 1300, chunk=128)  # from the fifth chunk on (> 2 G tokens), staged
+        staged = h.staged_chunks
+        h.prefill(2, 150, chunk=150)  # beside it, a short one: one round of the pool
+        from_cpu = stage.staged_from_cpu
+        h.check()
+        promoted = h.core.counters()[0]["promotions"]
+        h.coord.collect_ready_reqs()
+        for _ in range(4):
+            h.decode_step([1, 2])
+        h.check()
+        counters = h.core.counters()
+        h.finish(1)
+        h.finish(2)
+        h.check()
+        out[f"validate={validate}"] = {
+            "capacity": stage.capacity, "staged": staged, "from_cpu": from_cpu,
+            "seen": h.seen["own"], "promoted_in_decode": counters[0]["promotions"] - promoted,
+            "overflow": sum(c["access_overflow"] + c["invalid"] for c in counters),
+            "capacity_back": h.alloc.available_size() == h.alloc.size_full}
+        if validate:
+            a = h.alloc
+            out["fits"] = [a.prefill_fits(lens) for lens in
+                           ([2 * h.G], [STAGE], [700, 700], [STAGE + 1], [701, 699])]
+            z = torch.zeros(1, dtype=torch.int64)
+            before = a.available_size()
+            refused = []
+            for n in (STAGE + 1, 2 * h.G + 2):  # past the stage; new tokens past a rank's pool
+                refused.append(a.alloc_extend(z, z, torch.tensor([n]), torch.tensor([n]),
+                                              torch.tensor([-1]), n) is None)
+            out["refused"] = refused
+            out["unchanged"] = a.available_size() == before
+            out["too_long"] = a.max_new_tokens_for_memory(
+                STAGE + 1, 16, token_capacity=a.size_full, sliding_window_size=None,
+                chunk_size=None) is None
+        h.close()
+    return out
+
+
 SCENARIOS = {"decode": scenario_decode, "shared": scenario_shared, "pressure": scenario_pressure,
-             "prefetch": scenario_prefetch}
+             "prefetch": scenario_prefetch, "stage": scenario_stage}
 
 
 def _rank_main(rank: int, port: int, out_dir: str) -> None:
@@ -236,6 +291,19 @@ def test_alloc_extend_agrees_and_the_pool_has_no_buffer(ranks):
         assert r["too_long"] and r["logical_one_rank"] and r["capacity_unchanged"], r
         # sink page, N / P own slots, scratch row, padding to a page: no buffer rows
         assert r["G"] == N // P and r["kv_rows"] == -(-(PAGE + N // P + 1) // PAGE) * PAGE
+
+
+def test_a_request_five_times_the_pool_prefills_through_each_ranks_stage(ranks):
+    for rank, res in enumerate(ranks):
+        r = res["stage"]
+        for key in ("validate=True", "validate=False"):
+            s = r[key]
+            assert s["capacity"] == STAGE // P and s["staged"] == 11 - 4, (rank, key, s)
+            assert s["from_cpu"] > 0 and s["promoted_in_decode"] > 0 and s["seen"] > 0, s
+            assert s["overflow"] == 0 and s["capacity_back"], (rank, key, s)
+        # a rank's own share decides: 700 + 700 fits 700 rows each, 701 + 699 does not
+        assert r["fits"] == [True, True, True, False, False], (rank, r["fits"])
+        assert r["refused"] == [True, True] and r["unchanged"] and r["too_long"], r
 
 
 # ---------------------------------------------------------------------------------------------

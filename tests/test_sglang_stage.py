@@ -109,14 +109,18 @@ def test_the_forward_extend_hook_stages_long_batches_only_and_always_resets(stag
     assert not h.pool.staging
 
 
-def test_tp_mode_has_no_stage():
+def test_tp_mode_has_no_stage_and_a_dcp_rank_stages_its_share():
     from ulacache.config import SGLangOptions
     from ulacache.errors import ConfigError
     from ulacache.patches.launch import stage_tokens
 
-    with pytest.raises(ConfigError, match="only for mode 'dp'"):
+    with pytest.raises(ConfigError, match="only for modes 'dp' and 'dcp'"):
         SGLangOptions(mode="tp", prefill_stage=100)
-    assert stage_tokens(SGLangOptions(mode="tp"), 4096) == 0
+    assert stage_tokens(SGLangOptions(mode="tp"), 4096, 4) == 0
+    # DCP: a rank's own share of the longest request, ceil(tokens / P)
+    assert stage_tokens(SGLangOptions(mode="dcp"), 202_752, 8) == 25_344
+    assert stage_tokens(SGLangOptions(mode="dcp", prefill_stage=101), 4096, 4) == 26
+    assert stage_tokens(SGLangOptions(mode="dcp", prefill_stage=0), 4096, 4) == 0
     assert stage_tokens(SGLangOptions(), 4096) == 4096  # null: the context length
     assert stage_tokens(SGLangOptions(prefill_stage=0), 4096) == 0
     assert stage_tokens(SGLangOptions(), None) == 0

@@ -97,6 +97,7 @@ class TPHarness:
         self.seen = {"own": 0, "fresh": 0, "buffered": 0, "shared_buffered": 0}
         self.fresh: set[int] = set()
         self.strict, self.mismatches = True, 0  # strict off: count mismatches (mutant runs)
+        self.staged_chunks = 0  # prefill chunks served through the prefill stage (mode "dcp")
 
     def close(self) -> None:
         self.coord.destroy()
@@ -113,11 +114,13 @@ class TPHarness:
         self.live.update(locs.tolist())
         self.fresh = set(locs.tolist())
 
-    def check_rows(self, layer: int, rows: torch.Tensor, locs: torch.Tensor) -> None:
-        """rows (kv_buffer rows) hold the latent written for locs; -1 stays -1."""
+    def check_rows(self, layer: int, rows: torch.Tensor, locs: torch.Tensor,
+                   buf: torch.Tensor | None = None) -> None:
+        """rows (of ``buf``, default kv_buffer[layer]) hold the latent written for locs; -1
+        stays -1."""
         assert rows.dtype == torch.int32
         assert torch.equal(rows < 0, locs < 0)
-        buf = self.pool.kv_buffer[layer]
+        buf = self.pool.kv_buffer[layer] if buf is None else buf
         anchor = self.core.groups[self.core.layer_to_group[layer]].layers[0] == layer
         for r, loc in zip(rows.reshape(-1).tolist(), locs.reshape(-1).tolist()):
             if loc < 0:
@@ -175,10 +178,18 @@ class TPHarness:
             pos[:, -3:] = -1
             table = torch.where(pos >= 0, self.rtp.req_to_token[idx][pos.clamp(min=0)].long(),
                                 -1)
+            self.staged_chunks += self.pool.staged([done + m])
             for layer in range(L):
-                self.pool.current_layer_id = layer  # what the forward_extend hook records
-                rows = self.pool.translate_loc_to_hisparse_device(table.to(torch.int32))
-                self.check_rows(layer, rows.to(torch.int32), table)
+                # what the forward_extend hook records and decides (a batch longer than the
+                # pool reads its selections from the prefill stage, mode "dcp"; never in "tp")
+                self.pool.current_layer_id = layer
+                self.pool.staging = self.pool.staged([done + m])
+                try:
+                    buf = self.pool.get_key_buffer(layer)
+                    rows = self.pool.translate_loc_to_hisparse_device(table.to(torch.int32))
+                    self.check_rows(layer, rows.to(torch.int32), table, buf)
+                finally:
+                    self.pool.staging = False
             done += m
         self.lens[idx] = n
         self.coord.admit_request_into_staging(req)

@@ -136,6 +136,43 @@ def test_dcp_prefill_through_a_stage():
         assert rep.prefill_staged_from_cpu > 0
 
 
+def test_a_dcp_stage_holds_own_rows_only_and_the_ranks_agree_on_its_refusals():
+    """A rank's stage is sized and admitted by its own share (:meth:`stage_rows`: the largest
+    rank's, not the batch over ``P``), stages exactly its own rows with their bytes (peers'
+    ``-1``), and a refusal that only one rank can see (its own rows past the stage, its own
+    dead address) raises the same error on every rank."""
+    from ulacache.prefill import PrefillStage
+
+    cfg = _small(gpu_slots=8, cpu_slots=8)
+
+    def body(peers):
+        space = StripeAddressSpace(cfg, peers, n_logical=64)
+        stage = PrefillStage(space, 2)
+        fits = [stage.fits(lens) for lens in ([4], [2, 2], [1, 1, 1], [5])]
+        space.begin_round()
+        space.place(torch.arange(6))
+        for a in range(6):
+            space.write(1, torch.tensor([a]), torch.full((1, 16), 10 + a, dtype=torch.uint8))
+        rows = stage.stage(1, torch.tensor([[0, 3, -1], [3, 4, 1]]))
+        got = [int(stage.storage[0, r, 0]) if r >= 0 else -1 for r in rows.reshape(-1).tolist()]
+        errors = []
+        for table in (torch.tensor([[0, 2, 4]]),  # rank 0 owns three: past its stage of 2
+                      torch.tensor([[1, 9]])):  # 9: rank 1's, never placed
+            try:
+                stage.stage(1, table)
+            except (AddressError, CapacityExhausted) as e:
+                errors.append(type(e).__name__)
+        space.check_integrity()
+        return fits, got, errors
+
+    for rank, (fits, got, errors) in enumerate(run_ranks(2, body)):
+        # [2, 2]: two rows each; [1, 1, 1]: rank 0 owns all three (the batch over P says 2)
+        assert fits == [True, True, False, False], rank
+        want = [10 + a if a >= 0 and a % 2 == rank else -1 for a in (0, 3, -1, 3, 4, 1)]
+        assert got == want, rank
+        assert errors == ["CapacityExhausted", "AddressError"], rank
+
+
 def test_a_broken_merge_is_caught(monkeypatch):
     """The decode comparison is not vacuous: ranks that attend their own rows without
     rescaling by the LSE (a plain mean of the partials) fail it."""

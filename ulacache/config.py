@@ -288,7 +288,8 @@ class SGLangOptions(_Checked, frozen=True, forbid_unknown_fields=True, kw_only=T
     ``"dcp"``: the same stripe under SGLang's decode context parallelism (``--dcp-size P``):
     each rank attends all heads over its own rows and SGLang merges the partial outputs by
     log-sum-exp, so there is no buffer (:mod:`ulacache.stripe`; docs/tp-over-dcp.md);
-    ``stripe_index_k`` applies as in mode ``"tp"``.
+    ``stripe_index_k`` applies as in mode ``"tp"``, ``prefill_stage`` as in mode ``"dp"``
+    (each rank stages the rows it attends, its own share).
     """
 
     _what = "--ulacache-config"
@@ -307,9 +308,10 @@ class SGLangOptions(_Checked, frozen=True, forbid_unknown_fields=True, kw_only=T
     shadows: bool = True  # evictions of promoted rows remap to their CPU copy (no write-back)
     # entries per kernel call (UlaCacheConfig.call_entries; null: GPU pool + buffer + 8192)
     call_entries: Optional[Annotated[int, Meta(ge=128, le=1 << 31)]] = None
-    # DP only: tokens of the one-layer prefill stage (ulacache.prefill.PrefillStage) that serves
-    # a prefill batch longer than the GPU pool; null: the model's context length; 0: none (every
-    # prefill batch, prefix included, must fit the GPU pool)
+    # DP and DCP: tokens of the one-layer prefill stage (ulacache.prefill.PrefillStage) that
+    # serves a prefill batch longer than the GPU pool (DCP: each rank stages its own share,
+    # ceil(tokens / P) rows); null: the model's context length; 0: none (every prefill batch,
+    # prefix included, must fit the GPU pool: DCP, each rank's share its own pool)
     prefill_stage: Optional[Annotated[int, Meta(ge=0, le=1 << 30)]] = None
     # look-ahead prefetch on a side stream (ulacache.prefetch), read by the coordinator
     # (patches/sglang_coordinator.py); off by default
@@ -324,9 +326,6 @@ class SGLangOptions(_Checked, frozen=True, forbid_unknown_fields=True, kw_only=T
                     raise ConfigError(f"--ulacache-config key {key!r} is only for mode 'tp'"
                                       f"{' or dcp' if key == 'stripe_index_k' else ''} "
                                       f"(got mode {self.mode!r})")
-        if self.mode == "dcp" and self.prefill_stage:
-            raise ConfigError("--ulacache-config key 'prefill_stage' is only for mode 'dp' (mode "
-                              "'dcp' prefill batches must fit each rank's share of the pool)")
         if self.mode != "tp":
             return
         if self.stripe_index_k and self.shard_indexer:
@@ -334,9 +333,9 @@ class SGLangOptions(_Checked, frozen=True, forbid_unknown_fields=True, kw_only=T
                               "exclusive: striped index-K already merges the top-k exactly "
                               "across the group (shard_indexer merges over replicated keys)")
         elif self.prefill_stage:
-            raise ConfigError("--ulacache-config key 'prefill_stage' is only for mode 'dp' (a TP "
-                              "stage would gather peers' rows; mode 'tp' prefill batches must "
-                              "fit each rank's pool and buffer)")
+            raise ConfigError("--ulacache-config key 'prefill_stage' is only for modes 'dp' and "
+                              "'dcp' (a buffered TP stage would gather peers' rows; mode 'tp' "
+                              "prefill batches must fit each rank's pool and buffer)")
 
     @property
     def host_to_device_ratio(self) -> int:

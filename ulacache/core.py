@@ -10,8 +10,9 @@ so the two real differences between the modes live in the core, where they are u
   question of a set of selected addresses: a prefill split into rounds) and
   :meth:`Core.check_step_capacity` (one decode step's selections);
 * cross-rank agreement: TP's mutating calls are collectives that reach the same verdict on
-  every rank (see :mod:`ulacache.tp`), and :meth:`Core.agree` lets the engine agree on its own
-  yes/no (e.g. whether its logical allocation succeeded); DP's are local.
+  every rank (see :mod:`ulacache.tp`), :meth:`Core.agree` lets the engine agree on its own
+  yes/no (e.g. whether its logical allocation succeeded) and :meth:`Core.verdict` on a
+  host-side check's error; DP's are local.
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ class Core(Protocol):
     def check_step_capacity(self, requests: int, steps: int, top_k: int) -> None: ...
 
     def agree(self, ok: bool) -> bool: ...
+
+    def verdict(self, check) -> None: ...
+
+    def stage_rows(self, seq_lens: list[int]) -> int: ...
 
     def begin_round(self) -> None: ...
 

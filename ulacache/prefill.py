@@ -65,7 +65,7 @@ def round_spans(space, addrs: torch.Tensor) -> list[tuple[int, int]]:
 
 class PrefillStage:
     """A one-layer staging buffer for a prefill's selected rows: the other way to serve a
-    prefill longer than the GPU pool, and the one the SGLang seam uses (DP mode).
+    prefill longer than the GPU pool, and the one the SGLang seam uses (modes DP and DCP).
 
     Each layer of a prefill gathers the distinct rows its selection table names (every query's
     top-k, any number of queries) into ``storage``, from whichever tier holds each row, and the
@@ -76,7 +76,10 @@ class PrefillStage:
     promote a row again after a later span evicted it. The cost is memory, ``capacity`` rows
     of one layer (a longest request: 203K x 656 B = 133 MB for GLM-5 FP8); the capacity rule
     becomes "the GPU pool holds a chunk's new rows and a decode step's selections, the stage one
-    prefill batch's tokens".
+    prefill batch's tokens". Over a DCP rank's stripe (:class:`ulacache.stripe.StripeAddressSpace`)
+    a stage holds only the rows that rank attends (its own tokens: ``1 / P`` of a batch, so
+    ~17 MB per GPU for GLM-5's longest request on 8 ranks); peers' selections come back ``-1``,
+    as from the pool, and validate's verdicts are agreed across the ranks.
 
     ``storage``: ``uint8 [1, row_base + capacity + 1, row_bytes]`` (last row scratch; rows
     below ``row_base`` are the engine's, e.g. SGLang's sink page) on the space's device, or
@@ -105,8 +108,9 @@ class PrefillStage:
 
     def fits(self, seq_lens: list[int]) -> bool:
         """Whether a prefill batch of requests reaching these lengths can be staged whatever
-        it selects: their tokens fit the stage. Host-side, from lengths alone."""
-        return sum(seq_lens) <= self.capacity
+        it selects: the rows it may stage (:meth:`~ulacache.space.AddressSpace.stage_rows`:
+        every token; DCP, a rank's own share) fit the stage. Host-side, from lengths alone."""
+        return self.space.stage_rows(seq_lens) <= self.capacity
 
     @property
     def staged_rows(self) -> int:
@@ -141,11 +145,15 @@ class PrefillStage:
         piece = space.config.call_capacity
         found, n_distinct, bad = space.distinct(table, self.capacity, first)
         if space.validate and found.device.type != "meta":  # meta: a rehearsal, shapes only
-            if int(bad):
-                raise AddressError(f"stage: {int(bad)} table entries out of range [0, {n})")
-            if int(n_distinct) > self.capacity:
-                raise CapacityExhausted(f"a prefill layer selects {int(n_distinct)} distinct "
-                                        f"rows; the prefill stage holds {self.capacity}")
+            def check():
+                if int(bad):
+                    raise AddressError(f"stage: {int(bad)} table entries out of range [0, {n})")
+                if int(n_distinct) > self.capacity:
+                    raise CapacityExhausted(f"a prefill layer selects {int(n_distinct)} "
+                                            f"distinct rows; the prefill stage holds "
+                                            f"{self.capacity}")
+            # DCP: each rank counts only the rows it attends, so the ranks agree on one verdict
+            space.verdict(check)
         dst = self.row_base + torch.arange(self.capacity, device=found.device)
         from_cpu, gathered = space.gather(layer, found, self.storage,
                                           torch.where(found >= 0, dst, -1))

@@ -210,6 +210,16 @@ class AddressSpace:
         """Whether ``ok`` holds on every rank of the engine: one rank here, so ``ok``."""
         return ok
 
+    def verdict(self, check) -> None:
+        """Run a host-side ``check`` (it raises a :class:`~ulacache.errors.UlaCacheError` or
+        returns): one rank here, so its error is the engine's."""
+        check()
+
+    def stage_rows(self, seq_lens: list[int]) -> int:
+        """Rows a prefill stage (:class:`ulacache.prefill.PrefillStage`) over this space needs
+        for a batch of requests reaching these lengths, whatever they select: every token."""
+        return sum(seq_lens)
+
     # -- placement and release --------------------------------------------------------------
     def check_room(self, n: int) -> None:
         """Raise :class:`CapacityExhausted` unless ``n`` new rows fit this round in every

@@ -90,6 +90,12 @@ class StripeAddressSpace(StripedSpace):
         pool (the same answer on every rank, from lengths alone)."""
         return max(owned_counts(seq_lens, self.P)) <= self.gpu_slots
 
+    def stage_rows(self, seq_lens: list[int]) -> int:
+        """Rows each rank's prefill stage needs for a batch of requests reaching these lengths,
+        whatever they select: the largest rank's own share (:func:`owned_counts`; a rank
+        stages only the rows it attends). The same on every rank, from lengths alone."""
+        return max(owned_counts(seq_lens, self.P))
+
     def round_fits(self, addrs: torch.Tensor) -> bool:
         """Whether every rank's own distinct addresses of ``addrs`` fit its GPU pool in one
         fresh round. Collective and host-side: the ranks may pass different tables (each its
@@ -164,7 +170,15 @@ class StripeAddressSpace(StripedSpace):
         """This rank's own rows of ``addrs`` into ``dst`` at ``dst_rows`` (a prefill stage of
         the rows this rank attends), from whichever tier holds them, changing nothing;
         ``(from_cpu, gathered)`` as :meth:`ulacache.space.AddressSpace.gather`."""
-        _, _, mine, lpos = self._split(addrs, "gather: addrs")
+        gi = self._group_of(layer)
+        flat, inrange, mine, lpos = self._split(addrs, "gather: addrs")
+        if self.validate and self.device.type != "meta":
+            g = self.groups[gi]
+
+            def check():  # only the owner can tell whether an address is live: agree first
+                self._check_range(flat, inrange, "gather")
+                g.check_read(lpos)
+            self._agree(check)
         return self.local.gather(layer, lpos, dst, torch.where(mine, dst_rows.reshape(-1), -1))
 
     # -- the per-step sparse access -------------------------------------------------------

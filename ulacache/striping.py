@@ -133,6 +133,11 @@ class StripedSpace:
     def _agree(self, check) -> None:
         agree_verdict(self.peers, self.device, check)
 
+    def verdict(self, check) -> None:
+        """Run a host-side ``check`` on every rank and raise the same error type on every rank
+        if any rank's failed (:func:`agree_verdict`). Collective."""
+        self._agree(check)
+
     def _check_step_share(self, requests: int, steps: int, top_k: int) -> None:
         """Raise :class:`ConfigError` unless this rank's own pool holds its share of one
         decode step's selections with the margin :func:`step_share_bound` gives (a step whose

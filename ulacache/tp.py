@@ -263,6 +263,12 @@ class TPAddressSpace(StripedSpace):
         own = owned_counts(seq_lens, self.P)
         return max(own) <= self.gpu_slots and sum(seq_lens) - min(own) <= self.buffer_slots
 
+    def stage_rows(self, seq_lens: list[int]) -> int:
+        """Rows a prefill stage over this space needs for a batch of these lengths: every
+        token (:meth:`distinct` merges the ranks' own lists, so a stage gathers peers' rows
+        too)."""
+        return sum(seq_lens)
+
     def round_fits(self, addrs: torch.Tensor) -> bool:
         """Whether the distinct addresses of ``addrs`` (``-1`` padding) can all be served in
         one fresh round on every rank: each rank's own ones fit its GPU pool, its peers' ones

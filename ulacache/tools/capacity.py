@@ -195,6 +195,19 @@ class Inputs:
         return PoolRows(PAGE, self.stage_tokens).total * self.row
 
     @cached_property
+    def dcp_stage_bytes(self) -> int:
+        """Device bytes of a DCP rank's prefill stage: its own share of the longest request,
+        ``ceil(context_len / P)`` rows of one layer (``launch.stage_tokens``)."""
+        return PoolRows(PAGE, -(-self.stage_tokens // self.gpus)).total * self.row
+
+    @property
+    def dcp_least_pool(self) -> int:
+        """The least group pool ``N`` a DCP launch serves every prompt with: the stage is used
+        when a chunk and a page fit each rank's own ``N / P`` slots (``usable_stage``); a pool
+        holding one longest request needs no stage."""
+        return min(self.min_gpu_tokens, self.gpus * (self.chunk + PAGE))
+
+    @cached_property
     def geometry(self) -> ModelGeometry:
         return MODELS[self.model][1](layout=self.layout)
 
@@ -305,14 +318,17 @@ def ulacache_tp_charge(inp: Inputs, c: int, buffer_rows: int, shard_index: bool 
     rows per layer (sink page, scratch, ``B`` buffer rows, padding to a page) + the
     coordinator's output rows for ``running`` requests (:func:`coordinator_outputs`) + striped:
     three index-K pages per indexer layer (``patches/sglang_sizing.striped_index_k_charge``).
-    ``dcp`` (mode "dcp"): no buffer (``buffer_rows`` must be 0), the stripe's DP tables."""
+    ``dcp`` (mode "dcp"): no buffer (``buffer_rows`` must be 0), the stripe's DP tables and the
+    rank's prefill stage (:attr:`Inputs.dcp_stage_bytes`; ``prefill_stage`` null, the
+    default)."""
     P = inp.gpus
     per, fixed = _tables(inp.groups, 1 + c, P, buffer_rows, inp.layers, dcp)
     index = inp.idx_anchors * (1 + c)
     cell = math.ceil(inp.lat / P) + (math.ceil(index / P) if shard_index else index) + per
     return cell, (fixed + (buffer_rows + 2 * PAGE) * inp.lat
                   + coordinator_outputs(inp, running)
-                  + (3 * PAGE * inp.idx_anchors if shard_index else 0))
+                  + (3 * PAGE * inp.idx_anchors if shard_index else 0)
+                  + (inp.dcp_stage_bytes if dcp else 0))
 
 
 def host_rows(inp: Inputs) -> int:
@@ -507,7 +523,9 @@ def capacity(inp: Inputs, system: str) -> Point:
         # margin for uneven steps (check_step_capacity of both striped spaces refuses to
         # start otherwise)
         need = step_share_bound(step, P)
-        c = _pick(0, lambda r: (1 + r) * pool_tp(r), pool_tp, inp.min_gpu_tokens,
+        # the pool holds one longest request's prefill; DCP: or a chunk, through the stage
+        least = inp.dcp_least_pool if dcp else inp.min_gpu_tokens
+        c = _pick(0, lambda r: (1 + r) * pool_tp(r), pool_tp, least,
                   ok=lambda r: pool_tp(r) // P >= need)
         n = pool_tp(c)
         cell, fixed = ulacache_tp_charge(inp, c, b, shard, dcp=dcp)
@@ -559,17 +577,20 @@ def max_requests(inp: Inputs, system: str, history: int) -> tuple[int, int | Non
     if system in TP_SYSTEMS:
         shard, dcp = _tp_kind(system)
 
+        # a prefill fits each rank's own pool in one round; DCP: or a chunk, through the stage
+        least = min(S, P * (inp.chunk + PAGE)) if dcp else S
+
         def fits(r: int, c: int) -> bool:
             n = ulacache_tp_pool(inp, c, tp_buffer_rows(inp, r, S, dcp), shard, r, dcp)
             own = n // P
-            return r * S <= (1 + c) * n and math.ceil(S / P) <= own and \
+            return r * S <= (1 + c) * n and math.ceil(least / P) <= own and \
                 own >= step_share_bound(r * step, P)
 
         def pool_tp0(c: int) -> int:  # the least charge (no running request): an upper bound
             return ulacache_tp_pool(inp, c, tp_buffer_rows(inp, 0, S, dcp), shard, 0, dcp)
 
-        return _most_requests(_ratios(0, pool_tp0, S), lambda c: (1 + c) * pool_tp0(c) // S,
-                              fits)
+        return _most_requests(_ratios(0, pool_tp0, least),
+                              lambda c: (1 + c) * pool_tp0(c) // S, fits)
     raise ValueError(f"unknown system {system!r}")
 
 
