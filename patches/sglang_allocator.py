@@ -29,6 +29,7 @@ from sglang.srt.mem_cache.prefill_budget import PrefillBudget
 from ulacache.core import Core
 from ulacache.errors import CapacityExhausted
 
+from .sglang_page_classes import PositionClassedPageAllocator
 from .sglang_pool import UlaCacheDSATokenToKVPool
 
 logger = logging.getLogger(__name__)
@@ -136,8 +137,14 @@ class UlaCacheTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         self.page_size, self.need_sort = page_size, need_sort
         self._spec_scratch_capacity = 0
         self._spec_device_buffer_size = 0
-        self.logical_attn_allocator = PagedTokenToKVPoolAllocator(
-            self._size_full, page_size, dtype, device, kvcache, need_sort)
+        classes = kvcache.page_classes
+        if classes:  # index-K striped by page: a request's k-th page on rank k mod P
+            self.logical_attn_allocator = PositionClassedPageAllocator(
+                self._size_full, page_size, dtype, device, kvcache, need_sort, classes)
+            kvcache.pages_cycle()
+        else:
+            self.logical_attn_allocator = PagedTokenToKVPoolAllocator(
+                self._size_full, page_size, dtype, device, kvcache, need_sort)
         self.hisparse_attn_allocator = _GpuPoolView(self.core)
         self.free_pages = None
         self.release_pages = None
@@ -149,7 +156,10 @@ class UlaCacheTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         return self.logical_attn_allocator.available_size()
 
     def request_slot_reserve(self, *, has_req_pool_slot: bool, prefill_tokens: int = 0) -> int:
-        return 0  # the GPU pool is shared: no per-request device buffer to reserve
+        """The GPU pool is shared: no per-request device buffer to reserve; the logical
+        allocator's own reserve (a page-classed one's class rounding, else 0)."""
+        return self.logical_attn_allocator.request_slot_reserve(
+            has_req_pool_slot=has_req_pool_slot, prefill_tokens=prefill_tokens)
 
     # -- admission: refuse what cannot be served, never hand SGLang a None ------------------
     def prefill_fits(self, seq_lens: list[int]) -> bool:
@@ -285,7 +295,7 @@ class UlaCacheTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         """``bool [n_logical]``: addresses in pages SGLang's allocator has handed out."""
         a = self.logical_attn_allocator
         P = self.page_size
-        free = torch.cat([t for t in (a.free_pages, a.release_pages) if t is not None])
+        free = a.get_all_free_pages()  # staged frees (need_sort) included
         page_live = torch.ones(self.core.n_logical // P, dtype=torch.bool, device=free.device)
         page_live[0] = False  # the padding page
         page_live[free.long()] = False

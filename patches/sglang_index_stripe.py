@@ -3,10 +3,12 @@
 its own pages with SGLang's kernels unchanged; the top-k is merged exactly across the group.
 
 Ownership is SGLang's page interleave (:class:`ulacache.index_stripe.PageStripe`): logical page
-``l`` on rank ``l % P`` at local page ``l // P``. It holds whatever order SGLang's paged
-allocator hands pages out in, so no allocator change is needed for correctness: the decode
-tables are the replicated table's width (``view(width=W)``) and the kernel's work follows each
-rank's context lengths.
+``l`` on rank ``l % P`` at local page ``l // P``. It holds whatever order pages are handed out
+in; ulacache's logical allocator draws a request's ``k``-th page from class ``k % P``
+(:mod:`~.sglang_page_classes`), so each rank holds every ``P``-th page of every request and its
+decode table, logits and top-k scan are ``ceil(W / P)`` pages wide (:attr:`IndexStripe.
+pages_cycle`; without that allocator, the replicated table's width ``W``, which serves any
+order).
 
 Seams (paths under ``sglang/srt/``, SGLang 0.5.23):
 
@@ -68,6 +70,9 @@ class IndexStripe:
         self.group = group
         self.stripe = PageStripe(int(group.world_size), int(group.rank_in_group), page_size)
         self.global_pages = int(global_pages)
+        # set by a page-classed allocator (sglang_page_classes): every request's k-th page on
+        # rank k mod P, so decode tables are ceil(W / P) pages wide; else W (any order)
+        self.pages_cycle = False
         self._cached: tuple | None = None  # (forward batch, metadata, layer, striped metadata)
 
     @property
@@ -98,7 +103,8 @@ class IndexStripe:
         if lengths.numel() != table.shape[0]:
             raise ShapeError(f"ulacache stripe_index_k: {lengths.numel()} context lengths for a "
                              f"page table of {table.shape[0]} rows ({forward_batch.forward_mode})")
-        view = self.stripe.view(table, lengths, width=table.shape[1])
+        view = self.stripe.view(table, lengths,
+                                width=None if self.pages_cycle else table.shape[1])
         base = {f.name: getattr(metadata, f.name) for f in fields(DSAIndexerMetadata)}
         base.update(paged_mqa_ctx_lens_2d=view.lengths.view(-1, 1),
                     paged_mqa_schedule_metadata=None)

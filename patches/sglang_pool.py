@@ -235,6 +235,19 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
 
         return StripedIndexKeyCache(self, self.index_buf_size, self.ula_tp.group)
 
+    @property
+    def page_classes(self) -> int:
+        """Page classes the logical allocator must draw by position (index-K striped by page
+        over the group's ``P`` ranks: a request's ``k``-th page from class ``k mod P``,
+        :mod:`~.sglang_page_classes`); 0: any order."""
+        return self.ula_tp.size if self.ula_tp is not None and \
+            self.ula_options.stripe_index_k else 0
+
+    def pages_cycle(self) -> None:
+        """Told by a page-classed allocator: every request's pages cycle through the ranks, so
+        the striped index-K's decode tables are ``ceil(W / P)`` pages wide."""
+        self.index_key_cache.stripe.pages_cycle = True
+
     def _create_buffers(self) -> None:
         """One ``uint8 [L_g, R, row_bytes]`` tensor per selection group, so a group's layers
         move in one launch; ``kv_buffer[layer]`` is its ``[R, 1, kv_cache_dim]`` view in the

@@ -16,6 +16,7 @@
     .venv-sglang/bin/python tests/mutants.py sglang_stage  # the stage's SGLang seam
     .venv-sglang/bin/python tests/mutants.py sglang_stripe  # striped index-K's SGLang seams
     .venv-sglang/bin/python tests/mutants.py sglang_dcp  # mode "dcp"'s SGLang seams
+    .venv-sglang/bin/python tests/mutants.py sglang_classes  # the page-classed allocator
     python tests/mutants.py prefill -k "stage"  # only mutants whose description has "stage"
 
 Copies the repository to a temporary directory, applies each mutant below (one line of the core
@@ -342,8 +343,8 @@ STRIPE_MUTANTS = [  # DCP TP mode: each rank's stripe, the partial attention and
      "DCP merge: partials normalised by the largest weight, not their sum"),
     (RM, "    lse = torch.logsumexp(s, dim=-1)\n", "    lse = s.amax(-1)\n",
      "DCP: a rank reports its largest score as its log-sum-exp"),
-    (SP, "        return max(owned_counts(seq_lens, self.P))",
-     "        return -(-sum(seq_lens) // self.P)",
+    (SP, "        return max(owned_counts(seq_lens, self.P))\n",
+     "        return -(-sum(seq_lens) // self.P)\n",
      "DCP stage: a batch admitted by its tokens over P, not the largest rank's share"),
     ("ulacache/prefill.py", "            space.verdict(check)", "            check()",
      "DCP stage: a refusal only one rank sees (its own rows past the stage) raised there alone"),
@@ -510,9 +511,13 @@ SGLANG_STRIPE_MUTANTS = [  # index-K striped by page under SGLang (stripe_index_
     ("ulacache/index_stripe.py", "mine = live & (self.owner(pages_) == self.rank)",
      "mine = live", "the prefill read takes pages the rank does not own"),
     ("patches/sglang_index_stripe.py",
-     "view = self.stripe.view(table, lengths, width=table.shape[1])",
-     "view = self.stripe.view(table, lengths)",
+     "width=None if self.pages_cycle else table.shape[1])",
+     "width=None)",
      "balanced-width tables over pages that do not cycle (pages dropped)"),
+    ("patches/sglang_index_stripe.py",
+     "width=None if self.pages_cycle else table.shape[1])",
+     "width=table.shape[1])",
+     "page-classed tables kept at the replicated width (W, not ceil(W / P))"),
     ("patches/sglang_index_stripe.py", "        lengths = self.get_seqlens_expanded()\n",
      "        lengths = self.stripe_view.lengths\n", "the merge masks by local lengths"),
 ]
@@ -537,6 +542,22 @@ SGLANG_DCP_MUTANTS = [  # mode "dcp" under SGLang: pool, sizing, override, Flash
      "DCP: the logical capacity widened twice"),
     ("patches/launch.py", "    return -(-tokens // tp_size) if opts.mode == \"dcp\" else tokens",
      "    return tokens", "DCP: every rank's stage sized for the whole batch (P x its share)"),
+]
+
+SGLANG_CLASSES_TESTS = ["tests/test_sglang_page_classes.py"]  # the SGLang venv's python
+PC = "patches/sglang_page_classes.py"
+SGLANG_CLASSES_MUTANTS = [  # the page-classed logical allocator (stripe_index_k)
+    (PC, "            cls = k % P\n", "            cls = (k + 1) % P\n",
+     "classes: a position's page drawn from the next class"),
+    (PC, "reps[(r - k0) % P::P]", "reps[r % P::P]",
+     "classes: a segment freed from an unaligned page returns pages to the wrong class"),
+    (PC, "return self.classes * self.page_size * min(self.class_free_counts())",
+     "return self.page_size * sum(self.class_free_counts())",
+     "classes: available_size reports every free page, not what every class can serve"),
+    (PC, "need[c] += (n - (c - first) % P + P - 1) // P", "need[c] += (n - c % P + P - 1) // P",
+     "classes: a class's draw counted from position 0, not the request's first new page"),
+    (PC, "            self.class_free[c] = self.class_free[c][need[c]:]\n", "",
+     "classes: drawn pages left on their free lists"),
 ]
 
 CONFTEST = '''
@@ -571,6 +592,8 @@ def main() -> int:
                   "sglang_stage": [(*m, SGLANG_STAGE_TESTS) for m in SGLANG_STAGE_MUTANTS],
                   "sglang_stripe": [(*m, SGLANG_STRIPE_TESTS) for m in SGLANG_STRIPE_MUTANTS],
                   "sglang_dcp": [(*m, SGLANG_DCP_TESTS) for m in SGLANG_DCP_MUTANTS],
+                  "sglang_classes": [(*m, SGLANG_CLASSES_TESTS) for m in
+                                     SGLANG_CLASSES_MUTANTS],
                   "shadows": [(*m, SHADOW_TESTS) for m in SHADOW_MUTANTS],
                   "fused_shadows": [(*m, FUSED_SHADOW_TESTS) for m in FUSED_SHADOW_MUTANTS],
                   "prefetch": [(*m, PREFETCH_TESTS) for m in PREFETCH_MUTANTS]}

@@ -67,3 +67,19 @@ def test_tp_control_json_contract():
         assert p["metadata_bytes"] == r["P"] * o["metadata_bytes"]
         assert o["exchange_bytes"] == 2 * (r["P"] - 1) * r["bs"] * r["k"] * 4
         assert o["ms_per_step"] > 0 and p["ms_per_step"] > 0
+
+
+def test_index_stripe_width_json_contract():
+    """Classed tables are ceil(W / P) pages wide, balanced (every rank exactly its share), and
+    their logits one P-th of a plain allocator's; the plain tables' slowest rank holds more
+    than its share."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "index_stripe_width.py"), "--json", "--requests",
+         "4", "--pages", "96", "--ranks", "4", "--top-k", "256", "--repeats", "1"],
+        capture_output=True, text=True, check=True, timeout=300)
+    row = json.loads(out.stdout)
+    assert row["classed"]["table_pages"] == 24 and row["plain"]["table_pages"] == 96
+    assert row["classed"]["slowest_rank_pages_over_share"] == 1.0
+    assert row["plain"]["slowest_rank_pages_over_share"] > 1.0
+    assert row["ratios"]["logits_bytes"] == 0.25
+    assert row["classed"]["rank_candidates_ms"] > 0 and row["plain"]["rank_candidates_ms"] > 0

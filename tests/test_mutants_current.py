@@ -13,7 +13,8 @@ ALL = (mutants.MUTANTS + mutants.TP_MUTANTS + mutants.FUSED_MUTANTS + mutants.FU
        + mutants.DISTINCT_MUTANTS + mutants.INTERFACE_MUTANTS + mutants.SHADOW_MUTANTS
        + mutants.FUSED_SHADOW_MUTANTS + mutants.PREFILL_MUTANTS
        + mutants.SGLANG_STAGE_MUTANTS + mutants.PREFETCH_MUTANTS + mutants.BUFMAP_MUTANTS
-       + mutants.STRIPE_MUTANTS + mutants.SGLANG_DCP_MUTANTS + mutants.SGLANG_STRIPE_MUTANTS)
+       + mutants.STRIPE_MUTANTS + mutants.SGLANG_DCP_MUTANTS + mutants.SGLANG_STRIPE_MUTANTS
+       + mutants.SGLANG_CLASSES_MUTANTS)
 
 
 @pytest.mark.parametrize("path,old,new,what", ALL, ids=[m[3] for m in ALL])

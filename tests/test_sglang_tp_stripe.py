@@ -57,24 +57,38 @@ def _pools(rank: int):
 
 
 class Batch:
-    """Requests over pages handed out in a shuffled order (every rank the same)."""
+    """Requests over pages handed out in a shuffled order (every rank the same), or with
+    ``allocator`` by a logical allocator's ``alloc_extend`` (ulacache's page-classed one)."""
 
-    def __init__(self, P: int, lengths: list[int], gen: torch.Generator, n_pages: int):
+    def __init__(self, P: int, lengths: list[int], gen: torch.Generator, n_pages: int,
+                 allocator=None):
         self.gen = gen
         self.free = (torch.randperm(n_pages - 2, generator=gen) + 1).tolist()  # no sink page
         self.pages: list[list[int]] = [[] for _ in lengths]
         self.lengths = [0] * len(lengths)
+        self.allocator = allocator
+
+    def _new_locs(self, i: int, old: int, n: int) -> torch.Tensor:
+        if self.allocator is not None:
+            last = torch.tensor([self.pages[i][-1] * PAGE + (old - 1) % PAGE if old else -1])
+            a, b = torch.tensor([old]), torch.tensor([n])
+            locs = self.allocator.alloc_extend(a, a, b, b, last, n - old)
+            assert locs is not None
+            for j in range(-(-old // PAGE) * PAGE, n, PAGE):
+                self.pages[i].append(int(locs[j - old]) // PAGE)
+            return locs
+        while len(self.pages[i]) * PAGE < n:
+            self.pages[i].append(self.free.pop())
+        pos = torch.arange(old, n)
+        pages = torch.tensor(self.pages[i], dtype=torch.int64)
+        return pages[pos // PAGE] * PAGE + pos % PAGE
 
     def grow(self, lengths: list[int]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """New tokens of each request: ``(locs, fp8 keys, fp32 scales)`` per request."""
         out = []
         for i, n in enumerate(lengths):
             old = self.lengths[i]
-            while len(self.pages[i]) * PAGE < n:
-                self.pages[i].append(self.free.pop())
-            pos = torch.arange(old, n)
-            pages = torch.tensor(self.pages[i], dtype=torch.int64)
-            locs = pages[pos // PAGE] * PAGE + pos % PAGE
+            locs = self._new_locs(i, old, n)
             keys = torch.randn(n - old, D, generator=self.gen).to(torch.float8_e4m3fn)
             scales = torch.rand(n - old, generator=self.gen) + 0.5
             if n - old > 8:  # exact ties
@@ -188,22 +202,32 @@ def scenario(rank: int, P: int) -> dict:
     out["owned_bytes_equal"], out["owned_tokens"] = ok, int(mine.numel())
 
     rows = list(range(len(batch.lengths)))
-    results = []
-    for step in range(3):  # decode steps whose tables grow
-        if step:
-            write(batch.grow([n + 1 + 40 * step for n in batch.lengths]))
-        real, lengths = batch.table(rows)
-        q = (torch.randn(len(rows), H, D, generator=gen) * 0.5).to(torch.float8_e4m3fn)
-        w = torch.randn(len(rows), H, 1, generator=gen)
-        for layer in range(L):
-            want = _topk(ref, _metadata(real, lengths, lengths, False, True), ForwardMode.DECODE,
-                         q, w, layer, striped=False)
-            got = _topk(pool, _metadata(real, lengths, lengths, False, False),
-                        ForwardMode.DECODE, q, w, layer, striped=True)
-            results.append(bool(torch.equal(got, want)))
-            assert bool(torch.equal(want.long(), topk_exact(
-                _replicated_logits(ref, layer, q, w, lengths, real), lengths.long(), K)))
-    out["decode_equal"] = results
+
+    def decode_steps(batch: Batch) -> tuple[list[bool], list[tuple[int, int]]]:
+        """Decode steps whose tables grow: per layer, whether the striped top-k equals the
+        replicated one, and per step (this rank's table width, the replicated one's)."""
+        results, widths = [], []
+        for step in range(3):
+            if step:
+                write(batch.grow([n + 1 + 40 * step for n in batch.lengths]))
+            real, lengths = batch.table(rows)
+            q = (torch.randn(len(rows), H, D, generator=gen) * 0.5).to(torch.float8_e4m3fn)
+            w = torch.randn(len(rows), H, 1, generator=gen)
+            meta = _metadata(real, lengths, lengths, False, False)
+            fb = types.SimpleNamespace(forward_mode=ForwardMode.DECODE)
+            widths.append((store.stripe.decode_metadata(meta, fb, 0).get_page_table_64()
+                           .shape[1], real.shape[1]))
+            for layer in range(L):
+                want = _topk(ref, _metadata(real, lengths, lengths, False, True),
+                             ForwardMode.DECODE, q, w, layer, striped=False)
+                got = _topk(pool, _metadata(real, lengths, lengths, False, False),
+                            ForwardMode.DECODE, q, w, layer, striped=True)
+                results.append(bool(torch.equal(got, want)))
+                assert bool(torch.equal(want.long(), topk_exact(
+                    _replicated_logits(ref, layer, q, w, lengths, real), lengths.long(), K)))
+        return results, widths
+
+    out["decode_equal"], out["decode_widths"] = decode_steps(batch)
 
     # verify: 3 rows per request at its last three positions
     steps = 3
@@ -232,6 +256,19 @@ def scenario(rank: int, P: int) -> dict:
             b = ref.get_index_k_scale_buffer(layer, *args)
             pf.append(all(bool(torch.equal(x, y)) for x, y in zip(a, b)))
     out["prefill_equal"] = pf
+
+    # the same decode steps over pages from ulacache's own allocator, page-classed with the
+    # index-K striped: every rank's table is ceil(W / P) pages wide, the top-k unchanged
+    from ulacache.patches.classes import UlaCacheTokenToKVPoolAllocator
+
+    alloc = UlaCacheTokenToKVPoolAllocator(N, page_size=PAGE, dtype=torch.bfloat16,
+                                           device="cpu", kvcache=pool, need_sort=False,
+                                           host_to_device_ratio=RATIO)
+    out["allocator"] = [type(alloc.logical_attn_allocator).__name__, store.stripe.pages_cycle,
+                        alloc.request_slot_reserve(has_req_pool_slot=True)]
+    classed = Batch(P, batch_lengths, gen, pages, allocator=alloc.logical_attn_allocator)
+    write(classed.grow(batch_lengths))
+    out["classed_decode_equal"], out["classed_widths"] = decode_steps(classed)
     pool.close_peers()
     return out
 
@@ -302,6 +339,18 @@ def test_decode_topk_equals_the_replicated_one_on_every_rank(ranks):
     _, results = ranks
     for r in results:
         assert r["decode_equal"] == [True] * (3 * L)
+
+
+def test_page_classed_tables_are_one_pth_as_wide_and_the_topk_unchanged(ranks):
+    """Pages from ulacache's page-classed allocator (a request's k-th page on rank k mod P):
+    each rank's decode table is ceil(W / P) pages wide (against W for pages in any order) and
+    the merged top-k still equals the replicated one."""
+    P, results = ranks
+    for res in results:
+        assert res["allocator"] == ["PositionClassedPageAllocator", True, P * PAGE], res
+        assert res["classed_decode_equal"] and all(res["classed_decode_equal"]), res
+        assert all(w == -(-W // P) for w, W in res["classed_widths"]), res["classed_widths"]
+        assert all(w == W for w, W in res["decode_widths"]), res["decode_widths"]
 
 
 def test_verify_topk_equals_the_replicated_one_on_every_rank(ranks):
