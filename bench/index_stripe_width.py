@@ -6,19 +6,22 @@ pages of every request and ranks its logits for top-k candidates. Two allocation
 * **plain**: SGLang's paged allocator after churn hands a request's pages out in an arbitrary
   order (modelled as a random permutation of the free pages). A rank's share of a request's
   ``W`` pages is then binomial, so its decode table and logits must be ``W`` pages wide to be
-  safe, and the slowest rank (the most own pages) sets the step;
+  safe, and the rank with the most own pages in the batch sets the step;
 * **classed**: ulacache's allocator (``patches/sglang_page_classes.py``) draws the page at
   position ``k`` from class ``k mod P``: each rank holds exactly every ``P``-th page, tables and
   logits are ``ceil(W / P)`` pages wide.
 
 Per decode step of ``R`` requests of ``W`` pages on ``P`` ranks, from the same tables, this
 reports: the per-rank logits bytes (fp32, what the paged MQA-logits kernel writes), the
-slowest rank's own pages over the balanced share (the scoring work's imbalance), and the
+slowest rank's own pages of the batch over the balanced share (the scoring work's
+imbalance), and the
 measured CPU time of one rank's candidate selection (``ulacache.index_stripe.
 local_candidates``: the top-k scan over its logits) at each width. Ratios are classed / plain
-from the same run. What it does not measure: DeepGEMM's kernel on a GPU (its work follows the
-local context lengths, so the width matters through the output and the scan, and the
-imbalance through the slowest rank).
+from the same run. Beside them, the exact merge's cost, the same for both orders: the bytes of
+the per-layer all-gather of candidates (``ulacache.indexer.exchange_cost``: rows x top-k x 8 B
+per rank) and the measured CPU time of the merge. Not measured: NCCL's all-gather, DeepGEMM's
+kernel on a GPU (its work follows the local context lengths, so the width matters through the
+output and the scan, and the imbalance through the slowest rank).
 
     python bench/index_stripe_width.py            # GLM-5: 64 requests x 128K, P = 8
     python bench/index_stripe_width.py --json
@@ -35,6 +38,7 @@ import time
 import torch
 
 from ulacache.index_stripe import PageStripe, local_candidates
+from ulacache.indexer import exchange_cost, merge_candidates
 
 logger = logging.getLogger("bench.index_stripe_width")
 PAGE = 64
@@ -78,13 +82,29 @@ def measure(requests: int, pages: int, P: int, top_k: int, repeats: int, seed: i
             local_candidates(logits, view.positions, lengths, top_k)
         ms = (time.perf_counter() - t0) / repeats * 1e3
         row[kind] = {"table_pages": width, "logits_bytes_per_rank": requests * width * PAGE * 4,
-                     "slowest_rank_pages_over_share": float(own.max(0).values.float().mean()
-                                                            / (pages / P)),
+                     # the step waits for the rank with the most pages to score, batch-wide
+                     "slowest_rank_pages_over_share": float(own.sum(1).max()
+                                                            / (requests * pages / P)),
                      "rank_candidates_ms": ms}
         logger.info("%s: table %d pages, logits %.1f MiB per rank per layer, slowest rank %.3f x"
                     " its share, candidates %.1f ms", kind, width,
                     row[kind]["logits_bytes_per_rank"] / 2**20,
                     row[kind]["slowest_rank_pages_over_share"], ms)
+    # the exact merge's exchange, on the decode critical path either way: one all-gather of
+    # every rank's candidates (rows x top-k x 8 B) per indexer layer, then the merge
+    cost = exchange_cost(requests, top_k, P)
+    gathered = torch.stack([local_candidates(torch.randn(requests, 2 * top_k, generator=gen),
+                                             torch.arange(r, 2 * top_k * P, P), lengths, top_k)
+                            for r in range(P)])
+    merge_candidates(gathered, top_k)  # warm-up
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        merge_candidates(gathered, top_k)
+    row["exchange"] = {"payload_bytes_per_rank": cost.payload_bytes,
+                       "recv_bytes_per_rank": cost.recv_bytes,
+                       "merge_ms": (time.perf_counter() - t0) / repeats * 1e3}
+    logger.info("exchange per rank and layer: %.2f MiB sent, %.2f MiB received; merge %.1f ms",
+                cost.send_bytes / 2**20, cost.recv_bytes / 2**20, row["exchange"]["merge_ms"])
     p, c = row["plain"], row["classed"]
     row["ratios"] = {"logits_bytes": c["logits_bytes_per_rank"] / p["logits_bytes_per_rank"],
                      "slowest_rank": c["slowest_rank_pages_over_share"]
@@ -119,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.requests} requests x {args.pages} pages on {args.ranks} ranks, top-k "
           f"{args.top_k} (classed / plain, same run): logits per rank x{r['logits_bytes']:.3f}; "
           f"slowest rank's pages x{r['slowest_rank']:.3f}; a rank's candidate scan (CPU) "
-          f"x{r['candidates_ms']:.3f}")
+          f"x{r['candidates_ms']:.3f}; the merge's all-gather "
+          f"{row['exchange']['recv_bytes_per_rank'] / 2**20:.2f} MiB received per rank and "
+          f"layer, merge {row['exchange']['merge_ms']:.1f} ms (CPU)")
     return 0
 
 

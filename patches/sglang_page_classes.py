@@ -207,9 +207,13 @@ class PositionClassedPageAllocator(PagedTokenToKVPoolAllocator):
         """Every base free path ends here (``free``, ``free_page_ids``, free groups): each page
         back to its class (``page mod classes``)."""
         pages = torch.cat(page_ids).to(torch.int64)
-        owner = pages % self.classes
-        for r in range(self.classes):
-            self._release_class(r, pages[owner == r])
+        if pages.device.type == "meta":  # a rehearsal: shapes only (a mask's count is data)
+            parts = pages.tensor_split(self.classes)
+        else:
+            owner = pages % self.classes
+            parts = [pages[owner == r] for r in range(self.classes)]
+        for r, part in enumerate(parts):
+            self._release_class(r, part)
 
     def free_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
         """``kv_row[start_pos:]`` of one request (page-aligned, each page's tokens contiguous):

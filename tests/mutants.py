@@ -37,7 +37,10 @@ both runs (25 min on 2 cores, beside other work); the miss, "fused: a re-touch r
 ring", was an equivalent mutant (a slot re-touched in its round is in the same epoch) and was
 replaced by "fused: ring stamp one epoch ahead", caught by both runs of test_fused_access.py
 by hand. ``tp fused_tp`` the same day: 14 of 14 caught by both runs.
-Last run of ``sglang_stripe`` (2026-12-06): 5 of 5 caught by both runs (3.2 min).
+Last runs (2026-12-07, the DCP prefill stage and the page-classed allocator): ``sglang_dcp`` 7
+of 7; ``sglang_classes`` 5 of 5; ``stripe`` 9 of 10 then 10 of 10 (the miss was a stale original,
+not a survivor: fixed). Last run of ``sglang_stripe`` (2026-12-06): 5 of 5 caught by both runs
+(3.2 min).
 Last run of ``prefetch`` (2026-12-05): 5 of 5 caught by both runs (8.4 min on 2 cores, beside
 other work). Last run (2026-12-05, after the int32 mapping and the recent-first reclaim):
 ``core fused fused_round shadows fused_shadows`` 67 of 67 caught by both runs (14.7 min on 2 cores).

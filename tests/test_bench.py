@@ -83,3 +83,7 @@ def test_index_stripe_width_json_contract():
     assert row["plain"]["slowest_rank_pages_over_share"] > 1.0
     assert row["ratios"]["logits_bytes"] == 0.25
     assert row["classed"]["rank_candidates_ms"] > 0 and row["plain"]["rank_candidates_ms"] > 0
+    # the merge's all-gather: 4 rows x 256 x 8 B sent by each rank, 3 peers' received
+    assert row["exchange"]["payload_bytes_per_rank"] == 4 * 256 * 8
+    assert row["exchange"]["recv_bytes_per_rank"] == 3 * 4 * 256 * 8
+    assert row["exchange"]["merge_ms"] > 0
