@@ -126,14 +126,16 @@ class StripedIndexerMetadata(DSAIndexerMetadata):
         return self.stripe_view.table
 
     def topk_transform(self, logits: torch.Tensor, topk: int, *args, **kwargs) -> torch.Tensor:
-        """``int32 [rows, topk]``: request positions ascending, then ``-1``, the same on every
-        rank: the exact top-k of the whole request's logits. Collective."""
+        """``int32 [rows, topk]``: the exact top-k of the whole request's logits, the same on
+        every rank, in score order then ``-1``: the order SGLang's torch top-k hands the sparse
+        attention (``torch.topk`` sorted, ``dsa_topk_backend.py:302``), so a kernel that sums
+        in the given order rounds as over replicated keys. Collective."""
         if args or any(v is not None for v in kwargs.values()):
             raise ShapeError("ulacache stripe_index_k: the paged top-k takes logits and top-k "
                              f"only, got extra arguments {sorted(kwargs)}")
         lengths = self.get_seqlens_expanded()
         out = striped_topk(logits, self.stripe_view, lengths, int(topk),
-                           self.stripe.all_gather)
+                           self.stripe.all_gather, by_score=True)
         return out.to(torch.int32)
 
 
@@ -149,6 +151,9 @@ class StripedIndexKeyCache(IndexKeyCache):
                               f"rank), got {pool.index_kpool}")
         global_pages = (int(index_buf_size) + ps + 1) // ps  # IndexKeyCache's own count
         self.stripe = IndexStripe(group, ps, global_pages)
+        logger.info("ulacache: index-K striped by page over %d ranks: rank %d stores %d of %d "
+                    "pages", self.stripe.stripe.ranks, self.stripe.stripe.rank,
+                    self.stripe.stored_pages, global_pages)
         # IndexKeyCache allocates (size + page + 1) // page pages: ask for stored + 2
         super().__init__(pool, (self.stripe.stored_pages + 1) * ps - 1)
 

@@ -247,6 +247,9 @@ class UlaCacheDSATokenToKVPool(HiSparseDSATokenToKVPool):
         """Told by a page-classed allocator: every request's pages cycle through the ranks, so
         the striped index-K's decode tables are ``ceil(W / P)`` pages wide."""
         self.index_key_cache.stripe.pages_cycle = True
+        logger.info("ulacache: logical pages drawn by page class (a request's k-th page from "
+                    "class k mod %d): index-K decode tables 1/%d as wide", self.page_classes,
+                    self.page_classes)
 
     def _create_buffers(self) -> None:
         """One ``uint8 [L_g, R, row_bytes]`` tensor per selection group, so a group's layers

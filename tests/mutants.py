@@ -523,6 +523,10 @@ SGLANG_STRIPE_MUTANTS = [  # index-K striped by page under SGLang (stripe_index_
      "page-classed tables kept at the replicated width (W, not ceil(W / P))"),
     ("patches/sglang_index_stripe.py", "        lengths = self.get_seqlens_expanded()\n",
      "        lengths = self.stripe_view.lengths\n", "the merge masks by local lengths"),
+    ("patches/sglang_index_stripe.py", "self.stripe.all_gather, by_score=True)",
+     "self.stripe.all_gather)", "the merged top-k handed over ascending, not in score order"),
+    ("ulacache/indexer.py", "largest=True, sorted=True).values)",
+     "largest=False, sorted=True).values)", "score order reversed (lowest winner first)"),
 ]
 
 SGLANG_DCP_TESTS = ["tests/test_sglang_dcp.py"]  # the SGLang venv's python

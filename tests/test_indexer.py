@@ -203,6 +203,35 @@ def test_any_disjoint_partition_merges_exactly():
         assert torch.equal(ix.merge_candidates(gathered, k), select_topk(scores, lengths, k))
 
 
+def test_merge_by_score_orders_the_same_positions_as_torch_topk_sorted():
+    """``by_score``: the winners in descending score, a tie to the earlier position, ``-1``
+    last. Equal to a stable sort's order with ties (the reference) and to ``torch.topk``'s
+    sorted indices on distinct scores (what SGLang's torch top-k hands its attention)."""
+    g = torch.Generator().manual_seed(8)
+    for trial in range(20):
+        width, tp, k = 53, 1 + trial % 5, (1, 9, 40, 60)[trial % 4]
+        tied = trial % 2 == 0
+        scores = (torch.randint(-2, 3, (3, width), generator=g).float() if tied
+                  else torch.randn(3, width, generator=g))
+        lengths = torch.tensor([width, 31, 4])
+        owner = torch.randint(tp, (width,), generator=g)
+        cands = []
+        for r in range(tp):
+            cols = (owner == r).nonzero().flatten()
+            cands.append(ix.local_candidates(scores[:, cols], cols, lengths, k))
+        got = ix.merge_candidates(torch.stack(cands), k, by_score=True)
+        for b in range(3):
+            n = int(lengths[b])
+            order = sorted(range(n), key=lambda j: (-float(scores[b, j]), j))[:k]
+            assert got[b].tolist() == order + [-1] * (k - len(order))
+            if not tied:
+                masked = scores[b].masked_fill(torch.arange(width) >= n, -math.inf)
+                top = torch.topk(masked, min(k, width)).indices[:min(k, n)]
+                assert got[b, :top.numel()].tolist() == top.tolist()
+        assert torch.equal(ix.merge_candidates(torch.stack(cands), k),
+                           select_topk(scores, lengths, k))  # the default order unchanged
+
+
 def test_candidates_payload_and_merge_with_smaller_k():
     scores = torch.randint(-2, 3, (4, 50), generator=torch.Generator().manual_seed(2)).float()
     lengths = torch.tensor([50, 30, 3, 0])

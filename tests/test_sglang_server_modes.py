@@ -2,7 +2,7 @@
 (GlmMoeDsaForCausalLM) with ``validate: true`` (host checks on every step), against SGLang's
 stock pool serving the same model; the DP prefill stage (a prompt 2.5x the GPU pool, served
 in 64-token chunks, against the stock pool at the same chunk size); TP mode is in
-test_sglang_server_tp.py (it uses this file's ``_pair`` and ``TP_ENV``). See
+test_sglang_server_tp.py (it uses this file's ``TP_ENV``). See
 test_sglang_server.py for the harness, the stand-ins and why token identity is checked on
 batches both servers run alike.
 """
@@ -118,7 +118,7 @@ def test_a_prompt_longer_than_the_gpu_pool_is_served_through_the_prefill_stage(s
     stage and the decode promotes the spilled rows: the stock pool's tokens."""
     ref, run = staged
     assert len(STAGED_PROMPT) > 2 * GPU_TOKENS
-    assert "ulacache: prefill stage of 4096 tokens" in Path(run.srv.log_path).read_text()
+    assert "ulacache: prefill stage of 4096 rows" in Path(run.srv.log_path).read_text()
     assert tokens(generate(run.srv, STAGED_PROMPT, 24)) == ref
     time.sleep(1.2)  # the metrics bridge exports at most once a second, during a step:
     generate(run.srv, STAGED_PROMPT[:40], 2)  # a later step publishes the decode's counters

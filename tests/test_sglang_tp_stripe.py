@@ -122,15 +122,21 @@ def _indexer():
 
 def _metadata(real, lengths, expanded, verify: bool, exact: bool):
     """SGLang's ``DSAIndexerMetadata`` of a paged batch; ``exact``: its ``topk_transform`` is
-    ulacache's exact top-k (the reference; SGLang's own needs sgl_kernel)."""
+    the reference: SGLang's torch top-k (``_topk_unfused``, dsa_topk_backend.py:272) over a
+    stable descending sort, as the CPU servers run it (cpu_stand_ins.py section 10: the FP8
+    logits tie often, ties to the lower position); positions in score order."""
+    from sglang.srt.layers.attention.dsa import dsa_topk_backend
     from sglang.srt.layers.attention.dsa.dsa_indexer_metadata import DSAIndexerMetadata
     from sglang.srt.layers.attention.dsa.dsa_topk_backend import TopkTransformMethod
 
-    from ulacache.indexer import topk_exact
+    def stable(x, k, dim=-1):
+        vals, idx = torch.sort(x, dim=dim, descending=True, stable=True)
+        return vals.narrow(dim, 0, k), idx.narrow(dim, 0, k)
 
     class Exact(DSAIndexerMetadata):
         def topk_transform(self, logits, topk, *a, **kw):
-            return topk_exact(logits, self.get_seqlens_expanded().long(), topk).to(torch.int32)
+            return dsa_topk_backend._topk_unfused(logits, self.get_seqlens_expanded(), topk,
+                                                  topk_op=stable, topk_op_kwargs={"dim": -1})
 
     attn = types.SimpleNamespace(real_page_table=real, cache_seqlens_int32=lengths,
                                  dsa_seqlens_expanded=expanded,
@@ -138,6 +144,13 @@ def _metadata(real, lengths, expanded, verify: bool, exact: bool):
     cls = Exact if exact else DSAIndexerMetadata
     return cls(attn_metadata=attn, topk_transform_method=TopkTransformMethod.PAGED,
                force_unfused_topk=True)
+
+
+def _ascending(sel: torch.Tensor) -> torch.Tensor:
+    """int64 positions of ``sel`` ascending per row, ``-1`` last (``topk_exact``'s order)."""
+    big = torch.iinfo(torch.int64).max
+    s = torch.sort(torch.where(sel < 0, big, sel.long()), dim=-1).values
+    return torch.where(s == big, -1, s)
 
 
 def _topk(pool, meta, mode, q, w, layer: int, striped: bool):
@@ -222,8 +235,9 @@ def scenario(rank: int, P: int) -> dict:
                              ForwardMode.DECODE, q, w, layer, striped=False)
                 got = _topk(pool, _metadata(real, lengths, lengths, False, False),
                             ForwardMode.DECODE, q, w, layer, striped=True)
+                # the same positions in the same (score) order: a sum over them rounds alike
                 results.append(bool(torch.equal(got, want)))
-                assert bool(torch.equal(want.long(), topk_exact(
+                assert bool(torch.equal(_ascending(want), topk_exact(
                     _replicated_logits(ref, layer, q, w, lengths, real), lengths.long(), K)))
         return results, widths
 

@@ -212,17 +212,18 @@ class PageStripe:
 
 
 def striped_topk(local_logits: torch.Tensor, view: StripeView, lengths: torch.Tensor, k: int,
-                 all_gather: AllGather) -> torch.Tensor:
+                 all_gather: AllGather, *, by_score: bool = False) -> torch.Tensor:
     """The exact global top-``k`` from this rank's logits over its own pages: ``local_logits``
     float32/fp16/bf16 ``[rows, >= Wl * page]`` (columns in ``view``'s local order; wider
     outputs, as SGLang's kernels give, are cut), ``lengths`` the rows' global token counts,
     ``all_gather`` the TP group's. Returns int64 ``[rows, k]``: positions ascending, then
     ``-1``; identical on every rank to :func:`ulacache.indexer.topk_exact` over the unsharded
-    logits. Collective (one all-gather of ``int64 [rows, k]``); graph-safe."""
+    logits. Collective (one all-gather of ``int64 [rows, k]``); graph-safe. ``by_score``: the
+    same positions in score order (:func:`ulacache.indexer.merge_candidates`)."""
     width = view.positions.shape[1]
     if local_logits.dim() != 2 or local_logits.shape[0] != view.positions.shape[0] or \
             local_logits.shape[1] < width:
         raise ShapeError(f"local_logits must be [{view.positions.shape[0]}, >= {width}], got "
                          f"{tuple(local_logits.shape)}")
     cand = local_candidates(local_logits[:, :width], view.positions, lengths, k)
-    return merge_candidates(all_gather(cand), k)
+    return merge_candidates(all_gather(cand), k, by_score=by_score)

@@ -217,11 +217,16 @@ def local_candidates(local_scores: torch.Tensor, local_positions: torch.Tensor,
     return _top_keys(order_keys(local_scores, local_positions, lengths), k)
 
 
-def merge_candidates(gathered: torch.Tensor, k: int) -> torch.Tensor:
+def merge_candidates(gathered: torch.Tensor, k: int, *, by_score: bool = False) -> torch.Tensor:
     """Global top-``k`` from all ranks' candidates: ``gathered`` int64 ``[P, bs, k_local]``
     (``k <= k_local``; the stacked outputs of :func:`local_candidates`) -> int64 ``[bs, k]``,
     positions ascending then ``-1``; equal to :func:`topk_reference` on the full scores, on every
     rank, whatever the order of the ``P`` slices. Graph-safe.
+
+    ``by_score``: the same positions in score order instead (higher score first, a tie to the
+    earlier position, then ``-1``), the order ``torch.topk(sorted=True)`` gives on distinct
+    scores. A consumer that sums over the selection in the order given (SGLang's torch sparse
+    attention) rounds alike only when handed the same order.
     """
     if gathered.dim() != 3 or gathered.dtype != torch.int64:
         raise ShapeError(f"gathered must be int64 [P, bs, k], got {gathered.dtype} "
@@ -231,6 +236,8 @@ def merge_candidates(gathered: torch.Tensor, k: int) -> torch.Tensor:
                          f" got {k!r}")
     n_ranks, bs, k_local = gathered.shape
     flat = gathered.permute(1, 0, 2).reshape(bs, n_ranks * k_local)
+    if by_score:  # descending keys = descending score, then ascending position; masked last
+        return decode_keys(torch.topk(flat, k, dim=-1, largest=True, sorted=True).values)
     return _ascending(decode_keys(_top_keys(flat, k)))
 
 
