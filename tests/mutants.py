@@ -39,8 +39,8 @@ replaced by "fused: ring stamp one epoch ahead", caught by both runs of test_fus
 by hand. ``tp fused_tp`` the same day: 14 of 14 caught by both runs.
 Last runs (2026-12-07, the DCP prefill stage and the page-classed allocator): ``sglang_dcp`` 7
 of 7; ``sglang_classes`` 5 of 5; ``stripe`` 9 of 10 then 10 of 10 (the miss was a stale original,
-not a survivor: fixed). Last run of ``sglang_stripe`` (2026-12-06): 5 of 5 caught by both runs
-(3.2 min).
+not a survivor: fixed). ``sglang_stripe`` (2026-12-07, afternoon, with the score-order merge):
+8 of 8 caught by every run (6.1 min).
 Last run of ``prefetch`` (2026-12-05): 5 of 5 caught by both runs (8.4 min on 2 cores, beside
 other work). Last run (2026-12-05, after the int32 mapping and the recent-first reclaim):
 ``core fused fused_round shadows fused_shadows`` 67 of 67 caught by both runs (14.7 min on 2 cores).
