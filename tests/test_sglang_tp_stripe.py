@@ -129,14 +129,13 @@ def _metadata(real, lengths, expanded, verify: bool, exact: bool):
     from sglang.srt.layers.attention.dsa.dsa_indexer_metadata import DSAIndexerMetadata
     from sglang.srt.layers.attention.dsa.dsa_topk_backend import TopkTransformMethod
 
-    def stable(x, k, dim=-1):
-        vals, idx = torch.sort(x, dim=dim, descending=True, stable=True)
-        return vals.narrow(dim, 0, k), idx.narrow(dim, 0, k)
+    from tests.sglang_server.site.cpu_stand_ins import stable_topk
 
     class Exact(DSAIndexerMetadata):
         def topk_transform(self, logits, topk, *a, **kw):
             return dsa_topk_backend._topk_unfused(logits, self.get_seqlens_expanded(), topk,
-                                                  topk_op=stable, topk_op_kwargs={"dim": -1})
+                                                  topk_op=stable_topk,
+                                                  topk_op_kwargs={"dim": -1})
 
     attn = types.SimpleNamespace(real_page_table=real, cache_seqlens_int32=lengths,
                                  dsa_seqlens_expanded=expanded,
@@ -144,13 +143,6 @@ def _metadata(real, lengths, expanded, verify: bool, exact: bool):
     cls = Exact if exact else DSAIndexerMetadata
     return cls(attn_metadata=attn, topk_transform_method=TopkTransformMethod.PAGED,
                force_unfused_topk=True)
-
-
-def _ascending(sel: torch.Tensor) -> torch.Tensor:
-    """int64 positions of ``sel`` ascending per row, ``-1`` last (``topk_exact``'s order)."""
-    big = torch.iinfo(torch.int64).max
-    s = torch.sort(torch.where(sel < 0, big, sel.long()), dim=-1).values
-    return torch.where(s == big, -1, s)
 
 
 def _topk(pool, meta, mode, q, w, layer: int, striped: bool):
@@ -237,8 +229,9 @@ def scenario(rank: int, P: int) -> dict:
                             ForwardMode.DECODE, q, w, layer, striped=True)
                 # the same positions in the same (score) order: a sum over them rounds alike
                 results.append(bool(torch.equal(got, want)))
-                assert bool(torch.equal(_ascending(want), topk_exact(
-                    _replicated_logits(ref, layer, q, w, lengths, real), lengths.long(), K)))
+                exact = topk_exact(_replicated_logits(ref, layer, q, w, lengths, real),
+                                   lengths.long(), K)  # the same set of positions
+                assert bool(torch.equal(want.long().sort(-1).values, exact.sort(-1).values))
         return results, widths
 
     out["decode_equal"], out["decode_widths"] = decode_steps(batch)
